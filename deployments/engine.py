@@ -1,0 +1,92 @@
+"""Engine replica: one vLLM AsyncLLM (v1) inside a Ray Serve replica.
+
+The replica receives token ids (the ingress tokenized them), streams `GenerateDelta`s
+back, and exports vLLM's engine metrics through Ray's metrics agent (vLLM's Ray stat
+logger) so one Prometheus scrape of the Ray metrics port sees them.
+
+Invariants:
+- A cancelled call (client disconnect, upstream timeout) aborts the request in the
+  engine, so its KV blocks are freed: AsyncLLM.generate aborts on CancelledError.
+- `check_health` fails once the engine core is dead, so Ray Serve replaces the replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import AsyncIterator
+
+from ray import serve
+
+from cluster.config import KvtideConfig, parse_config
+from cluster.demo_model import resolve_model
+from cluster.placement import cpu_threads_bind, engine_kwargs
+from deployments.messages import GenerateDelta, GenerateRequest
+
+logger = logging.getLogger("kvtide.engine")
+
+
+def _replica_rank() -> int:
+    try:
+        return int(serve.get_replica_context().rank.rank)
+    except Exception:  # rank is best effort: only used to spread CPU thread binding
+        return 0
+
+
+class EngineReplica:
+    """Ray Serve deployment class hosting one vLLM engine (options set by cluster.app)."""
+
+    def __init__(self, config_dict: dict):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        self.config: KvtideConfig = parse_config(config_dict)
+        if self.config.resources.device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(
+                _replica_rank(), self.config.engine.tensor_parallel_size, sorted(os.sched_getaffinity(0))
+            )
+        kwargs = engine_kwargs(self.config, resolve_model(self.config.model))
+        logger.info("starting vLLM engine: %s (bind=%s)", kwargs, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[RayPrometheusStatLogger])
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        spec = request.sampling
+        params = SamplingParams(
+            max_tokens=spec.max_tokens,
+            temperature=1.0 if spec.temperature is None else spec.temperature,
+            top_p=1.0 if spec.top_p is None else spec.top_p,
+            seed=spec.seed,
+            stop=list(spec.stop) or None,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        num_output_tokens = 0
+        async for out in self.engine.generate(
+            TokensPrompt(prompt_token_ids=request.prompt_token_ids), params, request_id=request.request_id
+        ):
+            completion = out.outputs[0]
+            num_output_tokens += len(completion.token_ids)
+            yield GenerateDelta(
+                text=completion.text,
+                num_output_tokens=num_output_tokens,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_cached_tokens=out.num_cached_tokens or 0,
+                finish_reason=completion.finish_reason if out.finished else None,
+            )
+
+    async def ready(self) -> bool:
+        """Cheap call the ingress uses for /ready: answered only by a running replica."""
+        return not self.engine.errored
+
+    async def check_health(self) -> None:
+        # Raises EngineDeadError once the engine core died: Serve then restarts the replica.
+        await self.engine.check_health()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,37 @@
+"""Ingress metrics, exported through Ray's metrics agent (Prometheus names gain `ray_`).
+
+Latency histograms use buckets from 5 ms to 60 s: CPU demo engines sit at the top,
+H200 engines at the bottom, and both must resolve p50 and p99.
+"""
+
+from __future__ import annotations
+
+from ray.util import metrics
+
+LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+ITL_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+
+
+class IngressMetrics:
+    """The ingress's own series; one instance per ingress replica."""
+
+    def __init__(self) -> None:
+        tags = ("model", "endpoint")
+        self.ttft_s = metrics.Histogram(
+            "kvtide_time_to_first_token_seconds", "Arrival at the ingress to the first output token.",
+            boundaries=LATENCY_BUCKETS_S, tag_keys=tags)
+        self.itl_s = metrics.Histogram(
+            "kvtide_inter_token_latency_seconds", "Time between output tokens of a streamed request.",
+            boundaries=ITL_BUCKETS_S, tag_keys=tags)
+        self.e2e_s = metrics.Histogram(
+            "kvtide_e2e_latency_seconds", "Arrival at the ingress to the last byte of the response.",
+            boundaries=LATENCY_BUCKETS_S, tag_keys=tags)
+        self.requests = metrics.Counter(
+            "kvtide_requests", "Finished requests by HTTP status.", tag_keys=("model", "endpoint", "status"))
+        self.prompt_tokens = metrics.Counter(
+            "kvtide_prompt_tokens", "Prompt tokens admitted.", tag_keys=tags)
+        self.output_tokens = metrics.Counter(
+            "kvtide_output_tokens", "Output tokens generated.", tag_keys=tags)
+
+    def on_request_done(self, model: str, endpoint: str, status: int) -> None:
+        self.requests.inc(1, {"model": model, "endpoint": endpoint, "status": str(status)})

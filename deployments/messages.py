@@ -1,0 +1,42 @@
+"""What crosses the ingress → engine boundary (a DeploymentHandle call).
+
+Why a boundary type: the ingress tokenizes once and the engine never sees text input,
+so the request carries token ids plus plain sampling values; the engine streams back
+small deltas. Both sides are plain dataclasses so Ray pickles them cheaply and
+neither side imports the other's heavy dependencies (vLLM stays out of the ingress).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling values the ingress validated; None means the engine's default."""
+
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+
+
+@dataclass
+class GenerateDelta:
+    """One streamed step: new text, token counts so far, and the finish reason at the end."""
+
+    text: str
+    num_output_tokens: int
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    # Filled on the last delta only: True if the engine ended the request on an error.
+    error: str | None = field(default=None)

@@ -1,0 +1,218 @@
+"""The OpenAI wire format kvtide speaks: request schemas, error bodies, response chunks.
+
+Pure data (pydantic + dicts), no Ray, so the ingress stays small and this is unit-tested.
+Requests are strict about types and ranges (a bad field is a 400 naming it) but accept
+unknown fields, as OpenAI does, so SDK upgrades that send new optional keys keep working.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class ApiError(Exception):
+    """A client-visible error: HTTP status + OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 err_type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.err_type = err_type or _default_type(status)
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.err_type, param=self.param, code=self.code)
+
+
+def _default_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(message: str, err_type: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported; send separate requests for several completions")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> list[str] | None:
+        if stop is None:
+            return None
+        stops = [stop] if isinstance(stop, str) else stop
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    @model_validator(mode="after")
+    def _usage_needs_stream(self) -> "_SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    # A string, or token ids. Batches of prompts are rejected (n=1 semantics).
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, prompt: Any) -> str | list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError("only one prompt per request is supported; send a batch as separate requests")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt must not be empty")
+        if isinstance(prompt, list) and any(t < 0 for t in prompt):
+            raise ValueError("token ids must be non-negative")
+        return prompt
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        # max_completion_tokens is the current name; max_tokens is deprecated but common.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def usage_chunk(rid: str, model: str, created: int, obj: str, usage: Usage) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage.as_dict()}
+
+
+def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str | None,
+                        usage: Usage) -> dict[str, Any]:
+    body = completion_chunk(rid, model, created, text, finish_reason)
+    body["usage"] = usage.as_dict()
+    return body
+
+
+def chat_response(rid: str, model: str, created: int, text: str, finish_reason: str | None,
+                  usage: Usage) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": text},
+            "logprobs": None, "finish_reason": finish_reason,
+        }],
+        "usage": usage.as_dict(),
+    }
+
+
+def validation_error_to_api(errors: list[dict[str, Any]]) -> ApiError:
+    """First pydantic/FastAPI validation error → 400 naming the field, as OpenAI does."""
+    if not errors:
+        return ApiError(400, "invalid request")
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    # Drop pydantic's union-branch markers ('str', 'list[int]', 'function-after[...]').
+    loc = [p for p in loc if not (p in {"str", "int", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]"}
+                                  or p.startswith("function-"))]
+    param = ".".join(loc) or None
+    if err.get("type") == "json_invalid":
+        return ApiError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}",
+                        code="invalid_json")
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    if err.get("type") == "missing":
+        return ApiError(400, f"missing required field '{param}'", param=param, code="missing_field")
+    where = f"'{param}'" if param else "request body"
+    return ApiError(400, f"invalid value for {where}: {msg}", param=param, code="invalid_value")

@@ -1,0 +1,242 @@
+{{/*
+Helpers shared by the templates. The cross-field checks live here ("kvtide.validate"):
+values.schema.json rejects wrong types, unknown keys and unknown enum values; what JSON
+schema cannot state is a `fail` with a message naming the field, the bad value and the fix.
+*/}}
+
+{{- define "kvtide.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Resource name prefix. Kept to 40 characters: KubeRay derives RayCluster, pod and Service
+names from the RayService name and appends suffixes of its own.
+*/}}
+{{- define "kvtide.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvtide.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvtide.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvtide.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "kvtide.labels" -}}
+helm.sh/chart: {{ include "kvtide.chart" . }}
+{{ include "kvtide.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "kvtide.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+Ports. The defaults repeat cluster/config.py's (HttpConfig.port, MetricsConfig.port) for a
+values file that deletes the key; the rendered args then omit it and the model applies the
+same default, so pods and Serve agree.
+*/}}
+{{- define "kvtide.httpPort" -}}
+{{- $http := .Values.kvtide.http | default dict }}
+{{- int (hasKey $http "port" | ternary (get $http "port") 8000) }}
+{{- end }}
+
+{{- define "kvtide.metricsPort" -}}
+{{- $metrics := .Values.kvtide.metrics | default dict }}
+{{- int (hasKey $metrics "port" | ternary (get $metrics "port") 8080) }}
+{{- end }}
+
+{{- define "kvtide.tensorParallelSize" -}}
+{{- $engine := .Values.kvtide.engine | default dict }}
+{{- int (hasKey $engine "tensor_parallel_size" | ternary (get $engine "tensor_parallel_size") 1) }}
+{{- end }}
+
+{{/*
+The name clients send as `model`; mirrors KvtideConfig.model_name.
+*/}}
+{{- define "kvtide.modelName" -}}
+{{- if .Values.kvtide.served_model_name }}
+{{- .Values.kvtide.served_model_name }}
+{{- else }}
+{{- .Values.kvtide.model | default "demo" | trimSuffix "/" | splitList "/" | last }}
+{{- end }}
+{{- end }}
+
+{{/*
+Engine replica bounds from kvtide.replicas, as YAML {autoscaling, min, max}.
+Helm drops keys whose value is null, so "not set" is `hasKey`, never a nil check.
+  num_replicas only         -> fixed: min = max = num_replicas
+  min_replicas+max_replicas -> autoscaling
+  nothing                   -> the model's default, fixed 1
+*/}}
+{{- define "kvtide.engineReplicas" -}}
+{{- $r := .Values.kvtide.replicas | default dict }}
+{{- $hasNum := hasKey $r "num_replicas" }}
+{{- $hasMin := hasKey $r "min_replicas" }}
+{{- $hasMax := hasKey $r "max_replicas" }}
+{{- if and $hasNum (or $hasMin $hasMax) }}
+{{- fail (printf "kvtide.replicas: num_replicas=%v (fixed) is given together with min_replicas/max_replicas (autoscaling); give one form. The chart's defaults set min_replicas/max_replicas, so for a fixed count also write `min_replicas: null` and `max_replicas: null`" (get $r "num_replicas")) }}
+{{- end }}
+{{- if $hasNum }}
+autoscaling: false
+min: {{ int (get $r "num_replicas") }}
+max: {{ int (get $r "num_replicas") }}
+{{- else if and $hasMin $hasMax }}
+{{- $min := int (get $r "min_replicas") }}
+{{- $max := int (get $r "max_replicas") }}
+{{- if gt $min $max }}
+{{- fail (printf "kvtide.replicas.min_replicas=%d is above kvtide.replicas.max_replicas=%d; make min_replicas <= max_replicas" $min $max) }}
+{{- end }}
+autoscaling: true
+min: {{ $min }}
+max: {{ $max }}
+{{- else if or $hasMin $hasMax }}
+{{- fail "kvtide.replicas: autoscaling needs both min_replicas and max_replicas (or set num_replicas for a fixed count)" }}
+{{- else }}
+autoscaling: false
+min: 1
+max: 1
+{{- end }}
+{{- end }}
+
+{{/*
+Pod counts of one worker group, as YAML {gpusPerPod, minReplicas, maxReplicas}.
+Call with (dict "root" $ "group" $group "index" $i).
+An engine replica's tensor-parallel workers must share a pod (one node, NVLink, one
+placement group), so gpusPerPod is a multiple of TP and a pod holds gpusPerPod/TP engines:
+  pods = ceil(engine replicas / engines per pod)
+The first group carries the minimum; every group can grow to the maximum.
+*/}}
+{{- define "kvtide.workerGroupSize" -}}
+{{- $root := .root }}
+{{- $g := .group }}
+{{- $field := printf "workerGroups[%d]" (int .index) }}
+{{- $tp := int (include "kvtide.tensorParallelSize" $root) }}
+{{- $gpus := int (hasKey $g "gpusPerPod" | ternary (get $g "gpusPerPod") $tp) }}
+{{- if ne (mod $gpus $tp) 0 }}
+{{- fail (printf "%s.gpusPerPod=%d is not a multiple of kvtide.engine.tensor_parallel_size=%d: an engine replica's %d GPUs must sit in one pod. Set gpusPerPod to %d, %d, ... (up to the GPUs of one node) or change tensor_parallel_size" $field $gpus $tp $tp $tp (mul 2 $tp)) }}
+{{- end }}
+{{- $enginesPerPod := div $gpus $tp }}
+{{- $engines := include "kvtide.engineReplicas" $root | fromYaml }}
+{{- $min := 0 }}
+{{- if eq (int .index) 0 }}
+{{- $min = div (add (int $engines.min) (sub $enginesPerPod 1)) $enginesPerPod }}
+{{- end }}
+{{- $max := div (add (int $engines.max) (sub $enginesPerPod 1)) $enginesPerPod }}
+{{- if and (not $engines.autoscaling) (ne (int .index) 0) }}
+{{- $max = 0 }}
+{{- end }}
+{{- if hasKey $g "minReplicas" }}{{ $min = int $g.minReplicas }}{{ end }}
+{{- if hasKey $g "maxReplicas" }}{{ $max = int $g.maxReplicas }}{{ end }}
+{{- if gt $min $max }}
+{{- fail (printf "%s (%s): minReplicas=%d is above maxReplicas=%d; make minReplicas <= maxReplicas" $field $g.name $min $max) }}
+{{- end }}
+gpusPerPod: {{ $gpus }}
+minReplicas: {{ $min }}
+maxReplicas: {{ $max }}
+{{- end }}
+
+{{/*
+Cross-field checks the schema cannot express. Included once, from rayservice.yaml.
+*/}}
+{{- define "kvtide.validate" -}}
+{{- $resources := .Values.kvtide.resources | default dict }}
+{{- $device := hasKey $resources "device" | ternary (get $resources "device") "gpu" }}
+{{- if ne $device "gpu" }}
+{{- fail (printf "kvtide.resources.device=%s: this chart runs engines on GPU worker pods; set device: gpu (for CPU, run `kvtide serve` outside Kubernetes)" $device) }}
+{{- end }}
+{{- if eq (include "kvtide.httpPort" .) (include "kvtide.metricsPort" .) }}
+{{- fail (printf "kvtide.http.port and kvtide.metrics.port are both %s; give the metrics export its own port" (include "kvtide.httpPort" .)) }}
+{{- end }}
+{{- $_ := include "kvtide.engineReplicas" . }}
+{{- $seen := dict }}
+{{- range $i, $g := .Values.workerGroups }}
+{{- if hasKey $seen $g.name }}
+{{- fail (printf "workerGroups[%d].name=%s is used twice; worker group names must be unique" $i $g.name) }}
+{{- end }}
+{{- $_ := set $seen $g.name true }}
+{{- $_ := include "kvtide.workerGroupSize" (dict "root" $ "group" $g "index" $i) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The Ray Serve config: one application whose args are the kvtide config, the same document
+`kvtide serve-config` prints (cluster/serve_config.py); a unit test pins the equality.
+*/}}
+{{- define "kvtide.serveConfig" -}}
+{{- $app := dict "name" "kvtide" "route_prefix" "/" "import_path" "cluster.app:build_app" "args" .Values.kvtide }}
+{{- $http := dict "host" "0.0.0.0" "port" (int (include "kvtide.httpPort" .)) }}
+{{- toYaml (dict "proxy_location" "EveryNode" "http_options" $http "applications" (list $app)) }}
+{{- end }}
+
+{{/*
+Env, mounts and volumes every Ray pod shares (the head tokenizes, so it needs the model
+files and the token too).
+*/}}
+{{- define "kvtide.rayEnv" -}}
+- name: HF_HOME
+  value: {{ .Values.modelCache.mountPath | quote }}
+{{- if .Values.hfToken.secretName }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.hfToken.secretName }}
+      key: {{ .Values.hfToken.secretKey }}
+{{- end }}
+{{- with .Values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "kvtide.rayVolumeMounts" -}}
+- name: dshm
+  mountPath: /dev/shm
+- name: model-cache
+  mountPath: {{ .Values.modelCache.mountPath }}
+{{- end }}
+
+{{- define "kvtide.rayVolumes" -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.shm.sizeLimit }}
+- name: model-cache
+{{- if eq .Values.modelCache.type "pvc" }}
+{{- if not .Values.modelCache.pvc.claimName }}
+{{- fail "modelCache.pvc.claimName is empty: modelCache.type=pvc needs the name of an existing PersistentVolumeClaim" }}
+{{- end }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.modelCache.pvc.claimName }}
+{{- else if eq .Values.modelCache.type "hostPath" }}
+  hostPath:
+    path: {{ .Values.modelCache.hostPath.path }}
+    type: DirectoryOrCreate
+{{- else }}
+  emptyDir:
+  {{- with .Values.modelCache.emptyDir.sizeLimit }}
+    sizeLimit: {{ . }}
+  {{- else }} {}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* preStop: leave the Ray cluster cleanly so the GCS does not wait on a dead node. */}}
+{{- define "kvtide.rayLifecycle" -}}
+preStop:
+  exec:
+    command: ["/bin/sh", "-c", "ray stop"]
+{{- end }}
