@@ -47,9 +47,14 @@ def start(config: KvtideConfig, *, num_cpus: float | None = None) -> LocalCluste
         include_dashboard=True,
         logging_level=logging.WARNING,
     )
-    serve.start(http_options={"host": config.http.host, "port": config.http.port})
     started_s = time.monotonic()
-    serve.run(build_from_config(config), name=APP_NAME, route_prefix="/", blocking=False)
+    try:
+        serve.start(http_options={"host": config.http.host, "port": config.http.port})
+        # Returns once every replica passed its constructor; raises if the app fails to deploy.
+        serve.run(build_from_config(config), name=APP_NAME, route_prefix="/", blocking=False)
+    except BaseException:
+        stop()
+        raise
     logger.info("kvtide deployed in %.1f s", time.monotonic() - started_s)
     host = "127.0.0.1" if config.http.host in ("0.0.0.0", "::") else config.http.host
     return LocalCluster(

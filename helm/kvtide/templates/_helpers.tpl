@@ -71,6 +71,8 @@ The name clients send as `model`; mirrors KvtideConfig.model_name.
 {{- define "kvtide.modelName" -}}
 {{- if .Values.kvtide.served_model_name }}
 {{- .Values.kvtide.served_model_name }}
+{{- else if eq (.Values.kvtide.model | default "demo") "demo" }}
+{{- "kvtide-demo" }}
 {{- else }}
 {{- .Values.kvtide.model | default "demo" | trimSuffix "/" | splitList "/" | last }}
 {{- end }}
@@ -78,16 +80,17 @@ The name clients send as `model`; mirrors KvtideConfig.model_name.
 
 {{/*
 Engine replica bounds from kvtide.replicas, as YAML {autoscaling, min, max}.
-Helm drops keys whose value is null, so "not set" is `hasKey`, never a nil check.
+"Not set" is an absent key (Helm deletes keys whose value is null when merging maps) or a
+null (kept inside lists); `index` returns nil for both.
   num_replicas only         -> fixed: min = max = num_replicas
   min_replicas+max_replicas -> autoscaling
   nothing                   -> the model's default, fixed 1
 */}}
 {{- define "kvtide.engineReplicas" -}}
 {{- $r := .Values.kvtide.replicas | default dict }}
-{{- $hasNum := hasKey $r "num_replicas" }}
-{{- $hasMin := hasKey $r "min_replicas" }}
-{{- $hasMax := hasKey $r "max_replicas" }}
+{{- $hasNum := not (kindIs "invalid" (index $r "num_replicas")) }}
+{{- $hasMin := not (kindIs "invalid" (index $r "min_replicas")) }}
+{{- $hasMax := not (kindIs "invalid" (index $r "max_replicas")) }}
 {{- if and $hasNum (or $hasMin $hasMax) }}
 {{- fail (printf "kvtide.replicas: num_replicas=%v (fixed) is given together with min_replicas/max_replicas (autoscaling); give one form. The chart's defaults set min_replicas/max_replicas, so for a fixed count also write `min_replicas: null` and `max_replicas: null`" (get $r "num_replicas")) }}
 {{- end }}
@@ -126,7 +129,8 @@ The first group carries the minimum; every group can grow to the maximum.
 {{- $g := .group }}
 {{- $field := printf "workerGroups[%d]" (int .index) }}
 {{- $tp := int (include "kvtide.tensorParallelSize" $root) }}
-{{- $gpus := int (hasKey $g "gpusPerPod" | ternary (get $g "gpusPerPod") $tp) }}
+{{- $gpus := $tp }}
+{{- if not (kindIs "invalid" (index $g "gpusPerPod")) }}{{ $gpus = int $g.gpusPerPod }}{{ end }}
 {{- if ne (mod $gpus $tp) 0 }}
 {{- fail (printf "%s.gpusPerPod=%d is not a multiple of kvtide.engine.tensor_parallel_size=%d: an engine replica's %d GPUs must sit in one pod. Set gpusPerPod to %d, %d, ... (up to the GPUs of one node) or change tensor_parallel_size" $field $gpus $tp $tp $tp (mul 2 $tp)) }}
 {{- end }}
@@ -140,8 +144,8 @@ The first group carries the minimum; every group can grow to the maximum.
 {{- if and (not $engines.autoscaling) (ne (int .index) 0) }}
 {{- $max = 0 }}
 {{- end }}
-{{- if hasKey $g "minReplicas" }}{{ $min = int $g.minReplicas }}{{ end }}
-{{- if hasKey $g "maxReplicas" }}{{ $max = int $g.maxReplicas }}{{ end }}
+{{- if not (kindIs "invalid" (index $g "minReplicas")) }}{{ $min = int $g.minReplicas }}{{ end }}
+{{- if not (kindIs "invalid" (index $g "maxReplicas")) }}{{ $max = int $g.maxReplicas }}{{ end }}
 {{- if gt $min $max }}
 {{- fail (printf "%s (%s): minReplicas=%d is above maxReplicas=%d; make minReplicas <= maxReplicas" $field $g.name $min $max) }}
 {{- end }}

@@ -1,0 +1,30 @@
+# kvtide serving image: the Ray head, the GPU workers and the Ray autoscaler sidecar of the
+# Helm chart (helm/kvtide) all run it.
+#
+#   docker build -t REGISTRY/kvtide:0.1.0 .
+#   docker push REGISTRY/kvtide:0.1.0
+#
+# Why rayproject/ray and not vllm/vllm-openai as the base:
+#  - KubeRay needs the exact Ray of the RayService's rayVersion (2.60.0) on every pod, and
+#    expects the Ray image's layout: `ray` on PATH, the `ray` user, and wget/bash that its
+#    injected readiness/liveness probes call. The Ray image is built and tested for that.
+#  - vLLM installs from PyPI on top (its wheel brings its own torch and CUDA libraries),
+#    while the vLLM image brings its own Ray that would have to be re-pinned anyway.
+# py311 matches the project's Python; cu128 gives a CUDA 12.8 userland that vLLM's torch
+# wheels run on (the node's NVIDIA driver must support CUDA 12.8).
+ARG RAY_IMAGE=rayproject/ray:2.60.0-py311-cu128
+FROM ${RAY_IMAGE}
+
+# The heavy, rarely changing layer first, so a code change does not reinstall vLLM.
+# Same bounds as pyproject.toml's `gpu` extra and its ray pin.
+RUN pip install --no-cache-dir "vllm>=0.26,<0.34" "ray[serve]==2.60.0"
+
+WORKDIR /home/ray/kvtide
+COPY --chown=ray:users . .
+# Installs kvtide with the gpu extra; everything heavy is already satisfied above.
+RUN pip install --no-cache-dir ".[gpu]" "ray[serve]==2.60.0" \
+    && python -c "import importlib.util as u, ray; assert u.find_spec('cluster.app'), 'cluster.app missing'; assert ray.__version__ == '2.60.0', ray.__version__"
+
+# KubeRay generates the `ray start` command; Serve imports cluster.app:build_app from the
+# installed package. Weights go to HF_HOME, which the chart mounts (modelCache).
+ENV HF_HOME=/models

@@ -1,0 +1,43 @@
+"""The Ray Serve config document of a kvtide cluster (what `serve deploy` and KubeRay read).
+
+One application, `cluster.app:build_app`, whose `args` are the kvtide config itself: the
+app builder parses them back with `parse_config`, so a config file, `kvtide serve`, a
+`serve deploy` of this document and the Helm chart's `serveConfigV2` all start the same
+cluster. The chart renders the same structure in helm/kvtide/templates/_helpers.tpl
+("kvtide.serveConfig"); tests/unit/test_helm_chart.py pins the two together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from cluster.config import KvtideConfig, config_to_dict
+
+APP_NAME = "kvtide"
+APP_IMPORT_PATH = "cluster.app:build_app"
+
+
+def serve_config(config: KvtideConfig) -> dict[str, Any]:
+    """The Ray Serve config (ServeDeploySchema) that runs `config` on an existing Ray cluster."""
+    return {
+        # A proxy on every node, so any pod's Serve port answers (KubeRay health-checks each).
+        "proxy_location": "EveryNode",
+        # 0.0.0.0, not config.http.host: in a Ray cluster the proxy must accept traffic
+        # from other hosts (a Kubernetes Service, a load balancer).
+        "http_options": {"host": "0.0.0.0", "port": config.http.port},
+        "applications": [
+            {
+                "name": APP_NAME,
+                "route_prefix": "/",
+                "import_path": APP_IMPORT_PATH,
+                "args": config_to_dict(config),
+            }
+        ],
+    }
+
+
+def serve_config_yaml(config: KvtideConfig) -> str:
+    """`serve_config` as YAML, keys in declaration order, for `serve deploy FILE`."""
+    return yaml.safe_dump(serve_config(config), sort_keys=False, default_flow_style=False)

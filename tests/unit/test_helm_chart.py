@@ -1,0 +1,512 @@
+"""The Helm chart renders valid objects for real schemas, and rejects bad values by name.
+
+Rendering uses Helm 4's own engine (helm-python-sdk, no helm binary), so values.schema.json,
+`fail` calls and template functions behave exactly as at `helm install`. Every rendered
+object is validated: core kinds against Kubernetes' OpenAPI schemas (kubernetes-validate,
+shipped offline), RayService / PodMonitor / PrometheusRule against the CRDs of KubeRay
+v1.7.0 and the Prometheus operator in ../shared/crds, serveConfigV2 against Ray Serve's
+own ServeDeploySchema and kvtide's config model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from cluster.config import KvtideConfig, parse_config
+from cluster.serve_config import serve_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHART_DIR = REPO_ROOT / "helm" / "kvtide"
+# CI clones the repo into its own folder with shared/ as a sibling: <root>/../shared/crds.
+CRD_DIR = REPO_ROOT.parent / "shared" / "crds"
+KUBE_VERSION = "1.30.0"  # oldest Kubernetes the chart is validated against (Chart.yaml: >=1.27)
+RELEASE, NAMESPACE = "demo", "llm"
+FULLNAME = "demo-kvtide"
+
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the RayService CRD is 1 MB
+
+# (group/version, kind) -> CRD file in ../shared/crds
+_CRD_FILES = {
+    ("ray.io/v1", "RayService"): "ray.io_rayservices.yaml",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "monitoring.coreos.com_podmonitors.yaml",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
+}
+
+# Values matrix: each case is a values override as a user would write it in -f my-values.yaml.
+CASES: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "tp2_on_2gpu_nodes": {
+        "kvtide": {"engine": {"tensor_parallel_size": 2}},
+        "workerGroups": [{"name": "a100x2", "gpusPerPod": 2, "acceleratorType": "NVIDIA-A100-SXM4-80GB"}],
+    },
+    "tp4_several_replicas": {
+        "kvtide": {
+            "model": "meta-llama/Llama-3.1-70B-Instruct",
+            "served_model_name": "llama-70b",
+            "engine": {"tensor_parallel_size": 4, "max_model_len": 16384, "gpu_memory_utilization": 0.92},
+            "replicas": {"min_replicas": 2, "max_replicas": 6},
+        },
+        "workerGroups": [
+            {"name": "h200x8", "gpusPerPod": 8, "acceleratorType": "NVIDIA-H200"},
+            {"name": "h100x4", "gpusPerPod": 4, "acceleratorType": "NVIDIA-H100-80GB-HBM3"},
+        ],
+        "modelCache": {"type": "pvc", "pvc": {"claimName": "models"}},
+        "hfToken": {"secretName": "hf-token"},
+    },
+    "fixed_replicas": {
+        "kvtide": {"replicas": {"num_replicas": 3, "min_replicas": None, "max_replicas": None}},
+        "modelCache": {"type": "hostPath"},
+    },
+    "monitoring_off": {
+        "monitoring": {"podMonitor": {"enabled": False}, "prometheusRule": {"enabled": False}, "dashboards": {"enabled": False}},
+        "podDisruptionBudget": {"enabled": False},
+    },
+    "ingress_on": {
+        "ingress": {"enabled": True, "className": "nginx", "tls": [{"hosts": ["kvtide.example.com"], "secretName": "tls"}]},
+        "httpRoute": {"enabled": True, "parentRefs": [{"name": "inference-gateway", "namespace": "gateway"}]},
+        "networkPolicy": {
+            "enabled": True,
+            "metricsPeers": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+        },
+        "service": {"type": "LoadBalancer"},
+    },
+}
+
+
+# --- rendering -------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _chart() -> helm.Chart:
+    return helm.Chart.load(CHART_DIR)
+
+
+def render(values: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every object the chart renders for `values`, as a `helm install` would send it."""
+    manifests = _chart().render(copy.deepcopy(values), name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        objects.extend(doc for doc in yaml.load_all(text, Loader=_YAML_LOADER) if doc)
+    return objects
+
+
+def notes(values: dict[str, Any]) -> str:
+    manifests = _chart().render(copy.deepcopy(values), name=RELEASE, namespace=NAMESPACE)
+    return next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [obj for obj in objects if obj["kind"] == kind]
+
+
+def rayservice(values: dict[str, Any]) -> dict[str, Any]:
+    (obj,) = by_kind(render(values), "RayService")
+    return obj
+
+
+def rendered_serve_config(values: dict[str, Any]) -> dict[str, Any]:
+    return yaml.safe_load(rayservice(values)["spec"]["serveConfigV2"])
+
+
+# --- schemas ---------------------------------------------------------------------------
+
+
+def _close_objects(schema: Any) -> Any:
+    """Forbid fields the CRD does not declare, as `kubectl apply --validate=strict` does.
+
+    Left open, a misplaced field would pass here and be pruned silently by the API
+    server; closing every declared object turns that into a test failure.
+    """
+    if isinstance(schema, list):
+        return [_close_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _close_objects(value) for key, value in schema.items()}
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+@lru_cache(maxsize=None)
+def crd_validator(api_version: str, kind: str) -> jsonschema.protocols.Validator:
+    """A validator for the `v1` openAPIV3Schema of the CRD behind (apiVersion, kind)."""
+    if not CRD_DIR.is_dir():
+        pytest.fail(
+            f"CRD folder {CRD_DIR} is missing: the chart's RayService/PodMonitor/PrometheusRule are "
+            "validated against the KubeRay v1.7.0 and prometheus-operator CRDs in <repo>/../shared/crds"
+        )
+    path = CRD_DIR / _CRD_FILES[(api_version, kind)]
+    crd = yaml.load(path.read_text(), Loader=_YAML_LOADER)
+    version = api_version.split("/")[1]
+    (spec,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    schema = _close_objects(spec["schema"]["openAPIV3Schema"])
+    # metadata is validated by the API server itself, not the CRD schema.
+    schema["properties"]["metadata"] = {"type": "object"}
+    return jsonschema.Draft7Validator(schema)
+
+
+def validate_object(obj: dict[str, Any]) -> None:
+    """Raise if `obj` is not valid for its kind's real schema."""
+    key = (obj["apiVersion"], obj["kind"])
+    if key in _CRD_FILES:
+        errors = sorted(crd_validator(*key).iter_errors(obj), key=lambda e: list(e.path))
+        assert not errors, f"{obj['kind']} {obj['metadata']['name']}: " + "; ".join(
+            f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors[:5]
+        )
+        return
+    if obj["apiVersion"].startswith("gateway.networking.k8s.io/"):
+        # No Gateway API CRD is vendored in shared/crds; check_httproute pins its shape.
+        check_httproute(obj)
+        return
+    kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def check_httproute(route: dict[str, Any]) -> None:
+    """The HTTPRoute fields the Gateway API requires, and that it targets our Service."""
+    spec = route["spec"]
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert spec["parentRefs"] and all("name" in ref for ref in spec["parentRefs"])
+    (rule,) = spec["rules"]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
+    assert rule["backendRefs"] == [{"name": FULLNAME, "port": 8000}]
+
+
+# --- tests: every case renders valid objects ---------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_rendered_object_is_valid_for_its_real_schema(case: str) -> None:
+    """Each values case renders objects that Kubernetes and the KubeRay/Prometheus CRDs accept."""
+    objects = render(CASES[case])
+    assert by_kind(objects, "RayService") and by_kind(objects, "Service")
+    for obj in objects:
+        validate_object(obj)
+        assert len(obj["metadata"]["name"]) <= 63
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_helm_lint_is_clean(case: str) -> None:
+    """`helm lint --strict` (schema included) reports nothing above info for each values case."""
+    report = helm.lint(CHART_DIR, copy.deepcopy(CASES[case]), strict=True, namespace=NAMESPACE)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not problems and not report["errors"], problems or report["errors"]
+
+
+def test_crd_validation_catches_a_misplaced_field() -> None:
+    """The CRD check is not vacuous: a field KubeRay does not know fails instead of being pruned."""
+    obj = rayservice({})
+    obj["spec"]["rayClusterConfig"]["headGroupSpec"]["gpus"] = 1
+    with pytest.raises(AssertionError, match="headGroupSpec"):
+        validate_object(obj)
+
+
+# --- tests: the RayService ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_serve_config_args_are_the_kvtide_values(case: str) -> None:
+    """serveConfigV2's args parse into a KvtideConfig equal to the merged `kvtide` values."""
+    merged = _chart().merge_values(copy.deepcopy(CASES[case]))["kvtide"]
+    (app,) = rendered_serve_config(CASES[case])["applications"]
+    assert app["args"] == merged  # verbatim: the chart adds, drops and renames nothing
+    assert parse_config(app["args"]) == parse_config(merged)
+
+
+def test_serve_config_args_carry_the_given_values() -> None:
+    """Values a user sets (model, TP, bounds, memory share) arrive in the engine config."""
+    (app,) = rendered_serve_config(CASES["tp4_several_replicas"])["applications"]
+    config = parse_config(app["args"])
+    assert config.model == "meta-llama/Llama-3.1-70B-Instruct"
+    assert config.model_name == "llama-70b"
+    assert config.engine.tensor_parallel_size == 4
+    assert config.engine.max_model_len == 16384
+    assert config.engine.gpu_memory_utilization == pytest.approx(0.92)
+    assert (config.replicas.min_replicas, config.replicas.max_replicas) == (2, 6)
+    assert config.resources.device == "gpu" and config.http.host == "0.0.0.0"
+
+
+def _drop_nulls(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {key: _drop_nulls(value) for key, value in node.items() if value is not None}
+    if isinstance(node, list):
+        return [_drop_nulls(item) for item in node]
+    return node
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_chart_serve_config_equals_kvtide_serve_config(case: str) -> None:
+    """The chart's serveConfigV2 is `kvtide serve-config`'s document, up to the nulls Helm drops."""
+    rendered = rendered_serve_config(CASES[case])
+    config = parse_config(rendered["applications"][0]["args"])
+    assert rendered == _drop_nulls(serve_config(config))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own pydantic-v1-style fields
+def test_serve_config_is_a_valid_ray_serve_deploy_config() -> None:
+    """Ray Serve 2.60's own ServeDeploySchema accepts the rendered serveConfigV2."""
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(rendered_serve_config({}))
+    (app,) = schema.applications
+    assert (app.import_path, app.route_prefix) == ("cluster.app:build_app", "/")
+    assert schema.http_options.port == 8000 and schema.proxy_location.value == "EveryNode"
+
+
+def _worker_groups(values: dict[str, Any]) -> list[tuple[str, int, int, int]]:
+    """(name, GPUs per pod, min pods, max pods) of each worker group."""
+    groups = rayservice(values)["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    out = []
+    for group in groups:
+        (container,) = group["template"]["spec"]["containers"]
+        gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+        assert int(container["resources"]["requests"]["nvidia.com/gpu"]) == gpus
+        assert group["rayStartParams"]["num-gpus"] == str(gpus)
+        out.append((group["groupName"], gpus, group["minReplicas"], group["maxReplicas"]))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        # TP 1, 1 GPU per pod: pods = engine replicas.
+        ("defaults", [("gpu", 1, 1, 4)]),
+        # TP 2 on 2-GPU pods: one engine per pod.
+        ("tp2_on_2gpu_nodes", [("a100x2", 2, 1, 4)]),
+        # TP 4 on 8-GPU pods holds 2 engines: ceil(2/2)=1 .. ceil(6/2)=3; the fallback
+        # 4-GPU group starts at 0 and can host all 6 engines alone.
+        ("tp4_several_replicas", [("h200x8", 8, 1, 3), ("h100x4", 4, 0, 6)]),
+        # Fixed 3 engines: exactly 3 pods.
+        ("fixed_replicas", [("gpu", 1, 3, 3)]),
+    ],
+)
+def test_worker_pods_follow_replica_bounds_and_tensor_parallelism(case: str, expected: list) -> None:
+    """Worker pod bounds are kvtide replica bounds x TP / gpusPerPod, rounded up."""
+    assert _worker_groups(CASES[case]) == expected
+
+
+def test_worker_groups_without_resources_get_the_worker_defaults() -> None:
+    """A user-written worker group (which Helm does not merge with the default list) still gets CPU/memory."""
+    groups = rayservice(CASES["tp4_several_replicas"])["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    for group in groups:
+        (container,) = group["template"]["spec"]["containers"]
+        assert container["resources"]["limits"] == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": str(_worker_gpus(group))}
+
+
+def _worker_gpus(group: dict[str, Any]) -> int:
+    return int(group["rayStartParams"]["num-gpus"])
+
+
+def test_gpus_per_pod_defaults_to_tensor_parallel_size() -> None:
+    """Without gpusPerPod, a worker pod gets exactly one engine's GPUs (TP)."""
+    assert _worker_groups({"kvtide": {"engine": {"tensor_parallel_size": 4}}}) == [("gpu", 4, 1, 4)]
+
+
+def test_explicit_worker_bounds_override_the_derived_ones() -> None:
+    """A worker group's minReplicas/maxReplicas, when given, win over the derivation."""
+    values = {"workerGroups": [{"name": "gpu", "minReplicas": 0, "maxReplicas": 10}]}
+    assert _worker_groups(values) == [("gpu", 1, 0, 10)]
+
+
+def test_autoscaling_follows_the_replicas_mode() -> None:
+    """Ray's in-tree autoscaler is on for min/max replicas and off for a fixed count."""
+    auto = rayservice({})["spec"]["rayClusterConfig"]
+    fixed = rayservice(CASES["fixed_replicas"])["spec"]["rayClusterConfig"]
+    assert auto["enableInTreeAutoscaling"] is True and auto["autoscalerOptions"]["idleTimeoutSeconds"] == 60
+    assert fixed["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in fixed
+    assert fixed["workerGroupSpecs"][0]["replicas"] == 3
+
+
+def test_head_has_no_gpus_and_exports_metrics() -> None:
+    """The head runs Serve control plane only: num-gpus 0, dashboard on 0.0.0.0, metrics on 8080."""
+    cluster = rayservice({})["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == "2.60.0"
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"] == {"num-gpus": "0", "dashboard-host": "0.0.0.0", "metrics-export-port": "8080"}
+    (container,) = head["template"]["spec"]["containers"]
+    assert "nvidia.com/gpu" not in json.dumps(container["resources"])
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["serve"] == 8000 and ports["metrics"] == 8080
+
+
+def test_ports_follow_the_kvtide_http_and_metrics_ports() -> None:
+    """Moving kvtide.http.port/metrics.port moves Serve's port, the container ports and the Ray flags together."""
+    values = {"kvtide": {"http": {"port": 9000}, "metrics": {"port": 9090}}}
+    objects = render(values)
+    for obj in objects:
+        validate_object(obj)
+    (service,) = by_kind(objects, "RayService")
+    cluster = service["spec"]["rayClusterConfig"]
+    assert yaml.safe_load(service["spec"]["serveConfigV2"])["http_options"]["port"] == 9000
+    (head,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    assert (ports["serve"], ports["metrics"]) == (9000, 9090)
+    assert cluster["headGroupSpec"]["rayStartParams"]["metrics-export-port"] == "9090"
+    assert cluster["workerGroupSpecs"][0]["rayStartParams"]["metrics-export-port"] == "9090"
+
+
+def test_worker_pods_get_gpu_scheduling_shm_cache_and_token() -> None:
+    """GPU pods tolerate the GPU taint, select the accelerator, and mount /dev/shm and the model cache."""
+    spec = rayservice(CASES["tp4_several_replicas"])["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "models"}
+    (container,) = spec["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["HF_HOME"]["value"] == "/models"
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    assert {"name": "model-cache", "mountPath": "/models"} in container["volumeMounts"]
+
+
+def test_upgrade_strategy_is_configurable() -> None:
+    """spec.upgradeStrategy.type defaults to NewCluster and takes the value given."""
+    assert rayservice({})["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
+    assert rayservice({"upgradeStrategy": {"type": "None"}})["spec"]["upgradeStrategy"] == {"type": "None"}
+
+
+# --- tests: the objects around it --------------------------------------------------------
+
+
+def test_service_targets_the_serving_head_pod() -> None:
+    """The OpenAI Service selects this release's head pod while KubeRay marks it serving."""
+    (svc,) = by_kind(render({}), "Service")
+    assert svc["spec"]["selector"] == {
+        "app.kubernetes.io/name": "kvtide",
+        "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "ray-head",
+        "ray.io/serve": "true",
+    }
+    head_labels = rayservice({})["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    assert {k: v for k, v in svc["spec"]["selector"].items() if k != "ray.io/serve"}.items() <= head_labels.items()
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "serve", "protocol": "TCP"}]
+
+
+def test_monitoring_objects_follow_their_switches() -> None:
+    """PodMonitor, PrometheusRule and dashboard ConfigMaps exist by default and vanish when off."""
+    on, off = render({}), render(CASES["monitoring_off"])
+    for kind in ("PodMonitor", "PrometheusRule", "ConfigMap"):
+        assert by_kind(on, kind) and not by_kind(off, kind), kind
+
+
+def test_pod_monitor_scrapes_the_ray_metrics_port_of_all_pods() -> None:
+    """The PodMonitor selects head and workers (shared labels) on the named metrics port."""
+    (monitor,) = by_kind(render({}), "PodMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "kvtide", "app.kubernetes.io/instance": RELEASE}
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+
+
+def test_alert_rules_select_this_release_and_keep_prometheus_templates() -> None:
+    """files/alerts.yaml's KVTIDE_SELECTOR becomes this release's job; {{ $labels }} survives Helm."""
+    (rule,) = by_kind(render({}), "PrometheusRule")
+    alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+    assert {"KvtideNoReadyReplicas", "KvtideHighHttpErrorRate"} <= alerts.keys()
+    assert f'up{{job="{NAMESPACE}/{FULLNAME}"}}' in alerts["KvtideNoReadyReplicas"]["expr"]
+    assert "ray_serve_num_http_error_requests_total" in alerts["KvtideHighHttpErrorRate"]["expr"]
+    assert "KVTIDE_SELECTOR" not in json.dumps(rule)
+    assert "{{ $labels.job }}" in alerts["KvtideNoReadyReplicas"]["annotations"]["description"]
+
+
+def test_one_dashboard_configmap_per_json_file() -> None:
+    """Each dashboards/*.json becomes a sidecar-labelled ConfigMap holding that file's valid JSON."""
+    files = sorted((CHART_DIR / "dashboards").glob("*.json"))
+    maps = by_kind(render({}), "ConfigMap")
+    assert files and len(maps) == len(files)
+    for path, cm in zip(files, sorted(maps, key=lambda m: m["metadata"]["name"])):
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        dashboard = json.loads(cm["data"][path.name])
+        assert dashboard == json.loads(path.read_text()) and dashboard["uid"] and dashboard["panels"]
+
+
+def test_ingress_and_httproute_point_at_the_service() -> None:
+    """With ingress and httpRoute on, both route / to the chart's Service."""
+    objects = render(CASES["ingress_on"])
+    (ingress,) = by_kind(objects, "Ingress")
+    (path,) = ingress["spec"]["rules"][0]["http"]["paths"]
+    assert path["backend"]["service"] == {"name": FULLNAME, "port": {"name": "http"}}
+    (route,) = by_kind(objects, "HTTPRoute")
+    check_httproute(route)
+    assert not by_kind(render({}), "Ingress") and not by_kind(render({}), "HTTPRoute")
+
+
+def test_network_policy_opens_only_named_ports_to_outsiders() -> None:
+    """The NetworkPolicy lets Ray pods talk freely and outsiders reach serve, metrics and dashboard ports."""
+    (policy,) = by_kind(render(CASES["ingress_on"]), "NetworkPolicy")
+    rules = policy["spec"]["ingress"]
+    assert rules[0] == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvtide", "app.kubernetes.io/instance": RELEASE}}}]}
+    ports = [[p["port"] for p in rule["ports"]] for rule in rules[1:]]
+    assert ports == [[8000], [8080], [8265, 52365]]
+    assert rules[2]["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+
+
+def test_notes_show_port_forward_and_first_request() -> None:
+    """NOTES.txt tells the user how to port-forward and send a chat completion to the served name."""
+    text = notes(CASES["tp4_several_replicas"])
+    assert f"port-forward svc/{FULLNAME} 8000:8000" in text
+    assert "/v1/chat/completions" in text and '"model": "llama-70b"' in text
+
+
+# --- tests: bad values are rejected, naming the field --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "error", "message"),
+    [
+        ({"kvtide": {"routing": {"policy": "magic"}}}, helm.HelmValuesError, r"/kvtide/routing/policy.*pow2"),
+        ({"kvtide": {"modle": "x"}}, helm.HelmValuesError, r"'/kvtide'.*additional properties 'modle'"),
+        ({"kvtide": {"engine": {"tensor_parallel_size": 2.5}}}, helm.HelmValuesError, r"/kvtide/engine/tensor_parallel_size"),
+        ({"workerGroup": []}, helm.HelmValuesError, r"additional properties 'workerGroup'"),
+        (
+            {"kvtide": {"replicas": {"min_replicas": 5, "max_replicas": 2}}},
+            helm.HelmRenderError,
+            r"kvtide\.replicas\.min_replicas=5 is above kvtide\.replicas\.max_replicas=2",
+        ),
+        (
+            {"kvtide": {"engine": {"tensor_parallel_size": 2}}, "workerGroups": [{"name": "gpu", "gpusPerPod": 3}]},
+            helm.HelmRenderError,
+            r"workerGroups\[0\]\.gpusPerPod=3 is not a multiple of kvtide\.engine\.tensor_parallel_size=2",
+        ),
+        (
+            {"kvtide": {"replicas": {"num_replicas": 2}}},
+            helm.HelmRenderError,
+            r"kvtide\.replicas: num_replicas=2 .*min_replicas: null",
+        ),
+        ({"kvtide": {"resources": {"device": "cpu"}}}, helm.HelmRenderError, r"kvtide\.resources\.device=cpu"),
+        ({"modelCache": {"type": "pvc"}}, helm.HelmRenderError, r"modelCache\.pvc\.claimName"),
+        (
+            {"workerGroups": [{"name": "gpu"}, {"name": "gpu"}]},
+            helm.HelmRenderError,
+            r"workerGroups\[1\]\.name=gpu is used twice",
+        ),
+    ],
+    ids=["policy", "unknown_key", "float_tp", "chart_key", "min_gt_max", "gpus_not_tp_multiple", "both_replica_forms", "cpu", "pvc_claim", "dup_group"],
+)
+def test_bad_values_are_rejected_naming_the_field(values: dict, error: type, message: str) -> None:
+    """A bad value fails at template time with the field's path in the message."""
+    with pytest.raises(error, match=message):
+        render(values)
+
+
+def test_chart_defaults_are_a_valid_gpu_config() -> None:
+    """values.yaml's kvtide section is a valid GPU KvtideConfig for a real hub model."""
+    config = parse_config(_chart().values["kvtide"])
+    assert isinstance(config, KvtideConfig)
+    assert config.resources.device == "gpu" and config.http.host == "0.0.0.0"
+    assert config.model == "meta-llama/Llama-3.1-8B-Instruct" and config.replicas.autoscaling
