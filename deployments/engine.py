@@ -12,11 +12,13 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import AsyncIterator
 
 from ray import serve
+from ray.util import metrics
 
 from cluster.config import KvtideConfig, parse_config
 from cluster.demo_model import resolve_model
@@ -49,6 +51,10 @@ class EngineReplica:
         kwargs = engine_kwargs(self.config, resolve_model(self.config.model))
         logger.info("starting vLLM engine: %s (bind=%s)", kwargs, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[RayPrometheusStatLogger])
+        # vLLM's request_success counter does not count aborts; kvtide does.
+        self.aborted_requests = metrics.Counter(
+            "kvtide_engine_aborted_requests", "Requests aborted in the engine because the caller went away.",
+            tag_keys=("model",))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         from vllm import SamplingParams
@@ -65,18 +71,24 @@ class EngineReplica:
             output_kind=RequestOutputKind.DELTA,
         )
         num_output_tokens = 0
-        async for out in self.engine.generate(
-            TokensPrompt(prompt_token_ids=request.prompt_token_ids), params, request_id=request.request_id
-        ):
-            completion = out.outputs[0]
-            num_output_tokens += len(completion.token_ids)
-            yield GenerateDelta(
-                text=completion.text,
-                num_output_tokens=num_output_tokens,
-                num_prompt_tokens=len(request.prompt_token_ids),
-                num_cached_tokens=out.num_cached_tokens or 0,
-                finish_reason=completion.finish_reason if out.finished else None,
-            )
+        try:
+            async for out in self.engine.generate(
+                TokensPrompt(prompt_token_ids=request.prompt_token_ids), params, request_id=request.request_id
+            ):
+                completion = out.outputs[0]
+                num_output_tokens += len(completion.token_ids)
+                yield GenerateDelta(
+                    text=completion.text,
+                    num_output_tokens=num_output_tokens,
+                    num_prompt_tokens=len(request.prompt_token_ids),
+                    num_cached_tokens=out.num_cached_tokens or 0,
+                    finish_reason=completion.finish_reason if out.finished else None,
+                )
+        except asyncio.CancelledError:
+            # The caller went away (client disconnect, timeout). AsyncLLM.generate has
+            # already aborted the request in the engine core, freeing its KV blocks.
+            self.aborted_requests.inc(1, {"model": self.config.model_name})
+            raise
 
     async def ready(self) -> bool:
         """Cheap call the ingress uses for /ready: answered only by a running replica."""

@@ -112,17 +112,16 @@ def test_server_still_serves_after_bad_input(http, cluster):
 
 def test_client_disconnect_aborts_the_request_in_the_engine(http, cluster):
     """Closing a stream mid-generation aborts it in vLLM: KV blocks are freed, nothing keeps running."""
-    aborted_before = metric_sum(cluster.metrics_url, "ray_vllm_request_success_total", finished_reason="abort")
+    aborted_before = metric_sum(cluster.metrics_url, "ray_kvtide_engine_aborted_requests_total")
     body = {"model": cluster.model_name, "prompt": "while True:", "max_tokens": 3000, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
         received = [next(lines) for _ in range(6)]
         assert all(line.startswith("data: ") or line == "" for line in received)
-    # A request that ran to its end counts as finished_reason="length"; only an abort counts here.
-    wait_for(lambda: metric_sum(cluster.metrics_url, "ray_vllm_request_success_total",
-                                finished_reason="abort") > aborted_before,
-             timeout_s=60, what="vLLM to count the aborted request")
+    # Only the engine's cancellation path counts here; a request that ran to its end does not.
+    wait_for(lambda: metric_sum(cluster.metrics_url, "ray_kvtide_engine_aborted_requests_total") > aborted_before,
+             timeout_s=60, what="the engine to count the aborted request")
     wait_for(lambda: metric_sum(cluster.metrics_url, "ray_vllm_num_requests_running") == 0
              and metric_sum(cluster.metrics_url, "ray_vllm_kv_cache_usage_perc") == 0,
              timeout_s=60, what="engines to report zero running requests and zero KV usage")

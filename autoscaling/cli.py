@@ -1,0 +1,88 @@
+"""`kvtide plan`: KV capacity of a replica and a suggested TP size (see `autoscaling.capacity`).
+
+    kvtide plan --model /models/llama-70b --gpu-mem-gib 80 --max-model-len 32768
+    kvtide plan --layers 80 --kv-heads 8 --head-dim 128 --params-b 70.6 --gpu-mem-gib 139 --tp 4 --max-model-len 131072
+
+`cluster.cli` calls `register(subparsers)`; the command is thin: flags → ModelShape →
+plan_capacity → format_plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from autoscaling.capacity import (
+    DEFAULT_ACTIVATION_RESERVE_GIB,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MIN_FULL_CONTEXT_REQUESTS,
+    ModelShape,
+    PlanError,
+    bytes_per_elem,
+    format_plan,
+    plan_as_dict,
+    plan_capacity,
+    read_model_config,
+    shape_from_config,
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `plan` subcommand to kvtide's CLI."""
+    parser = subparsers.add_parser(
+        "plan", help="KV bytes per token, KV capacity per replica and a suggested TP size",
+        description="Capacity planning from a model's shape: give --model (a local HF directory with "
+                    "config.json) or --layers/--kv-heads/--head-dim.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="local HF-format model directory (reads its config.json)")
+    source.add_argument("--layers", type=int, help="number of decoder layers")
+    parser.add_argument("--kv-heads", type=int, help="KV heads per layer (with --layers)")
+    parser.add_argument("--head-dim", type=int, help="dimension of one attention head (with --layers)")
+    parser.add_argument("--attention-heads", type=int, help="query heads (optional; TP must divide it)")
+    parser.add_argument("--dtype", help="weights and KV dtype, e.g. bf16, fp16, fp8 (default: config.json's, else bf16)")
+    parser.add_argument("--kv-cache-dtype", help="KV cache dtype when it differs from --dtype (e.g. fp8)")
+    parser.add_argument("--params-b", type=float, help="parameters in billions (default: estimated from config.json)")
+    parser.add_argument("--gpu-mem-gib", type=float, required=True, help="memory of one GPU, in GiB")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size of one replica (default 1)")
+    parser.add_argument("--max-model-len", type=int, required=True, help="longest prompt + completion, in tokens")
+    parser.add_argument("--gpu-util", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                        help=f"share of GPU memory vLLM uses (default {DEFAULT_GPU_MEMORY_UTILIZATION})")
+    parser.add_argument("--reserve-gib", type=float, default=DEFAULT_ACTIVATION_RESERVE_GIB,
+                        help=f"activation/graph reserve per GPU in GiB (default {DEFAULT_ACTIVATION_RESERVE_GIB})")
+    parser.add_argument("--min-full-context", type=int, default=DEFAULT_MIN_FULL_CONTEXT_REQUESTS,
+                        help="full-context requests the suggested TP size must hold "
+                             f"(default {DEFAULT_MIN_FULL_CONTEXT_REQUESTS})")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=cmd_plan)
+    return parser
+
+
+def _shape_from_args(args: argparse.Namespace) -> ModelShape:
+    if args.model:
+        shape = shape_from_config(read_model_config(args.model), dtype=args.dtype)
+    else:
+        if args.kv_heads is None or args.head_dim is None:
+            raise PlanError("--layers needs --kv-heads and --head-dim too (or pass --model)")
+        shape = ModelShape(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                           dtype=args.dtype or "bfloat16", num_attention_heads=args.attention_heads)
+    if min(shape.num_layers, shape.num_kv_heads, shape.head_dim) < 1:
+        raise PlanError("--layers, --kv-heads and --head-dim must be >= 1")
+    if args.params_b is not None:
+        shape = ModelShape(**{**shape.__dict__, "num_params": int(args.params_b * 1e9)})
+    return shape
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        shape = _shape_from_args(args)
+        weights_bytes = None if shape.num_params is None else shape.num_params * bytes_per_elem(shape.dtype)
+        kv_shape = shape if not args.kv_cache_dtype else ModelShape(**{**shape.__dict__, "dtype": args.kv_cache_dtype})
+        plan = plan_capacity(kv_shape, args.gpu_mem_gib, args.max_model_len, args.tp, weights_bytes=weights_bytes,
+                             gpu_memory_utilization=args.gpu_util, activation_reserve_gib=args.reserve_gib,
+                             min_full_context_requests=args.min_full_context)
+    except PlanError as exc:
+        print(f"kvtide plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan_as_dict(kv_shape, plan), indent=2) if args.json else format_plan(kv_shape, plan))
+    return 0

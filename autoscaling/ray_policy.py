@@ -1,0 +1,175 @@
+"""Ray Serve adapter of the KV control law: `AutoscalingContext` → `decide` → (desired, policy_state).
+
+Ray Serve 2.60's custom policy contract, as the installed source has it
+(ray/serve/_private/autoscaling_state.py, ray/serve/autoscaling_policy.py):
+
+- `AutoscalingPolicy.policy_function` is an import path; the controller cloudpickles the
+  object *by value* for this module only (`autoscaling.control_law` etc. are imported by
+  reference, so the `autoscaling` package must be importable in the controller).
+- If the object is a class, it is instantiated once per (re)deploy with `policy_kwargs`,
+  then called every controller tick (~0.1 s) as `policy(ctx) -> (desired, policy_state)`.
+  A plain function never receives `policy_kwargs`, hence `KvPolicy` is a class.
+- Ray wraps the policy: on 0 running replicas with requests it skips the policy (cold
+  start); afterwards it applies up/downscaling factors and its own up/downscale delays
+  against `ctx.target_num_replicas`, then clamps to min/max. The law owns the delays, so
+  `autoscaling_config` sets Ray's delays to 0 (and leaves the factors at 1).
+- `ctx.policy_state` is what the previous call returned (plus Ray's own delay keys,
+  which Ray merges back in); the law's timers live under `POLICY_STATE_KEY`.
+- Custom metrics: whatever a replica's `record_autoscaling_stats()` returns (a flat
+  `dict[str, int | float]`, sampled every look_back_period_s × 0.2 s and pushed every
+  RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S, default 10 s) appears as
+      ctx.aggregated_metrics[key][replica_id] -> float   time-weighted mean over look_back_period_s
+      ctx.raw_metrics[key][replica_id]        -> [TimeStampedValue(timestamp, value), ...]
+  for running replicas that have reported at least once.
+
+Metric keys a replica reports (`replica_autoscaling_stats`):
+
+    kvtide_kv_usage_perc           share of KV blocks in use, 0..1 (vLLM's kv_cache_usage)
+    kvtide_num_waiting             requests waiting in the scheduler queue now
+    kvtide_num_running             requests the engine is running now
+    kvtide_num_preemptions_total   preemptions since the engine started (monotone counter;
+                                   this adapter differences it over the raw window)
+
+The `kvtide_` prefix keeps them apart from Ray's own key in the same report
+(`running_requests`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+from typing import Any
+
+from autoscaling.config import AutoscalingSettings
+from autoscaling.control_law import Decision, LawContext, LawState, LawTunables, ReplicaStats, decide
+from autoscaling.metrics import autoscaler_metrics
+
+# A child of Ray Serve's logger, so the lines land in the controller's log file.
+logger = logging.getLogger("ray.serve.kvtide.autoscaler")
+
+KV_USAGE_KEY = "kvtide_kv_usage_perc"
+NUM_WAITING_KEY = "kvtide_num_waiting"
+NUM_RUNNING_KEY = "kvtide_num_running"
+NUM_PREEMPTIONS_TOTAL_KEY = "kvtide_num_preemptions_total"
+METRIC_KEYS = (KV_USAGE_KEY, NUM_WAITING_KEY, NUM_RUNNING_KEY, NUM_PREEMPTIONS_TOTAL_KEY)
+
+POLICY_STATE_KEY = "kvtide_law"
+KV_POLICY_PATH = "autoscaling.ray_policy:KvPolicy"
+
+
+def replica_autoscaling_stats(
+    kv_usage_perc: float, num_waiting: int, num_running: int, num_preemptions_total: int
+) -> dict[str, float]:
+    """What an engine replica's `record_autoscaling_stats()` returns (keys in the module docstring)."""
+    return {
+        KV_USAGE_KEY: min(max(float(kv_usage_perc), 0.0), 1.0),
+        NUM_WAITING_KEY: float(max(num_waiting, 0)),
+        NUM_RUNNING_KEY: float(max(num_running, 0)),
+        NUM_PREEMPTIONS_TOTAL_KEY: float(max(num_preemptions_total, 0)),
+    }
+
+
+def _counter_delta(series: Any, since_s: float) -> float:
+    """Increase of a monotone counter over the samples at or after `since_s` (0 with < 2 samples)."""
+    points = [p for p in (series or ()) if p.timestamp >= since_s]
+    if len(points) < 2:
+        return 0.0
+    return max(points[-1].value - points[0].value, 0.0)
+
+
+def law_context(ctx: Any, look_back_s: float) -> LawContext:
+    """Translate Ray's `AutoscalingContext` into the law's inputs.
+
+    Replicas still starting are `target - running` when the target is above the running
+    count. When it is below (Ray is stopping replicas), only the `target` replicas that
+    stay count as running, so a hold never undoes a scale-down in flight.
+    """
+    now_s = ctx.current_time if ctx.current_time is not None else time.time()
+    aggregated = ctx.aggregated_metrics or {}
+    raw = ctx.raw_metrics or {}
+    kv = aggregated.get(KV_USAGE_KEY, {})
+    waiting = aggregated.get(NUM_WAITING_KEY, {})
+    running = aggregated.get(NUM_RUNNING_KEY, {})
+    preemptions = raw.get(NUM_PREEMPTIONS_TOTAL_KEY, {})
+    stats = tuple(
+        ReplicaStats(
+            kv_usage_perc=float(kv[replica_id]),
+            num_waiting=float(waiting.get(replica_id, 0.0)),
+            num_running=float(running.get(replica_id, 0.0)),
+            num_preemptions=_counter_delta(preemptions.get(replica_id), now_s - look_back_s),
+        )
+        for replica_id in ctx.running_replicas
+        if replica_id in kv
+    )
+    num_current, num_target = ctx.current_num_replicas, ctx.target_num_replicas
+    return LawContext(
+        replicas=stats,
+        num_running_replicas=min(num_current, num_target),
+        num_starting_replicas=max(num_target - num_current, 0),
+        min_replicas=ctx.capacity_adjusted_min_replicas,
+        max_replicas=ctx.capacity_adjusted_max_replicas,
+        now_s=now_s,
+    )
+
+
+class KvPolicy:
+    """Ray Serve custom autoscaling policy: one instance per deployment, called every tick.
+
+    observe (context → LawContext) → decide (control law) → apply (log, metrics, return).
+    """
+
+    def __init__(self, **tunables: Any) -> None:
+        self.tunables = LawTunables(**tunables)
+        self._last_logged: tuple | None = None
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        look_back_s = ctx.config.look_back_period_s if ctx.config is not None else 30.0
+        context = law_context(ctx, look_back_s)
+        state = LawState.from_dict(ctx.policy_state.get(POLICY_STATE_KEY))
+        desired, state, decision = decide(context, state, self.tunables)
+        self._log(decision)
+        autoscaler_metrics().on_decision(decision, ctx.deployment_name, ctx.app_name or "")
+        return desired, {POLICY_STATE_KEY: state.to_dict()}
+
+    def _log(self, decision: Decision) -> None:
+        # Ticks come ten times a second: INFO for actions and for timers starting or
+        # stopping, DEBUG for the steady state in between.
+        key = (decision.reason, decision.pending, decision.desired_replicas, decision.num_current_replicas)
+        level = logging.INFO if decision.reason != "hold" or key != self._last_logged else logging.DEBUG
+        self._last_logged = key
+        logger.log(level, decision.log_line())
+
+
+def autoscaling_config(settings: AutoscalingSettings, min_replicas: int, max_replicas: int) -> dict[str, Any]:
+    """The engine deployment's `autoscaling_config` option for the chosen policy.
+
+    Ray 2.60 deprecates `metrics_interval_s` (it warns when set); replicas sample their
+    stats every look_back_period_s × 0.2 and push them every
+    RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S (10 s), so it is left out.
+    """
+    if not 0 <= min_replicas <= max_replicas or max_replicas < 1:
+        raise ValueError(
+            f"replicas.min_replicas={min_replicas}, replicas.max_replicas={max_replicas}: "
+            "need 0 <= min_replicas <= max_replicas and max_replicas >= 1"
+        )
+    config: dict[str, Any] = {
+        "min_replicas": min_replicas,
+        "max_replicas": max_replicas,
+        "initial_replicas": max(1, min_replicas),
+        "look_back_period_s": settings.look_back_s,
+    }
+    if settings.policy == "queue_length":
+        config.update(
+            target_ongoing_requests=settings.target_ongoing_requests,
+            upscale_delay_s=settings.upscale_delay_s,
+            downscale_delay_s=settings.downscale_delay_s,
+        )
+        return config
+    config.update(
+        # The law owns the delays; Ray's delay logic runs after the policy and must not add its own.
+        upscale_delay_s=0.0,
+        downscale_delay_s=0.0,
+        policy={"policy_function": KV_POLICY_PATH, "policy_kwargs": asdict(settings.law_tunables())},
+    )
+    return config

@@ -1,0 +1,241 @@
+"""`kvtide bench`: run a workload against a server, or compare routing policies side by side.
+
+    kvtide bench run     --url URL --workload NAME (--rate R | --concurrency C) --duration S --out FILE.json
+    kvtide bench compare --config FILE --policies pow2,ray_prefix,prefix_aware ... --out DIR
+
+`run` measures any OpenAI-compatible server on loopback. `compare` starts the local
+kvtide cluster once per policy (`routing.policy=<p>` as a config override, so the
+config model rejects an unknown policy before anything starts), runs the same
+workload with the same seed, stops the cluster, and writes DIR/results.json,
+DIR/report.md, DIR/<policy>.requests.jsonl and PNG plots.
+
+`register(subparsers)` adds the `bench` command to the kvtide CLI's subparsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.loadgen import DEFAULT_REQUEST_TIMEOUT_S, LoadResult, run_load
+from benchmarks.report import MetricsSample, build_run_report, metrics_delta, parse_metrics
+from benchmarks.workloads import (
+    DEFAULT_TOKENS_PER_WORD,
+    WORKLOAD_PARAMS,
+    Workload,
+    build_workload,
+    calibrate_tokens_per_word,
+    make_params,
+)
+
+METRICS_POLL_S = 1.0
+
+
+# ---- flags ------------------------------------------------------------------------------------
+
+def _add_workload_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload (defaults: SGLang generated-shared-prefix 64×16, 2048/128/256)")
+    g.add_argument("--workload", required=True, choices=list(WORKLOAD_PARAMS))
+    g.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+    g.add_argument("--num-groups", type=int, help="shared-prefix: groups (distinct system prompts)")
+    g.add_argument("--prompts-per-group", type=int, help="shared-prefix: requests per group")
+    g.add_argument("--system-prompt-len", type=int, help="shared-prefix, multi-turn: system prompt tokens")
+    g.add_argument("--question-len", type=int, help="shared-prefix, multi-turn: question tokens")
+    g.add_argument("--output-len", type=int, help="output tokens (max_tokens)")
+    g.add_argument("--num-users", type=int, help="multi-turn: users")
+    g.add_argument("--num-rounds", type=int, help="multi-turn: rounds per user")
+    g.add_argument("--num-requests", type=int, help="random: requests")
+    g.add_argument("--input-len", type=int, help="random: prompt tokens")
+    g.add_argument("--max-requests", type=int, help="send at most this many of the workload's requests")
+    g.add_argument("--tokens-per-word", type=float, default=None,
+                   help=f"token estimate per generated word (default {DEFAULT_TOKENS_PER_WORD}, the demo tokenizer)")
+    g.add_argument("--tokenizer", help="local HF tokenizer dir to calibrate tokens per word (e.g. the served model)")
+
+
+def _add_load_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("load")
+    mode = g.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--rate", type=float, help="open loop: Poisson arrivals, requests/s")
+    mode.add_argument("--concurrency", type=int, help="closed loop: requests in flight")
+    g.add_argument("--duration", type=float, default=60.0, help="stop sending after this many seconds")
+    g.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    g.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help="per request, seconds")
+    g.add_argument("--warmup", type=int, default=4, help="short unmeasured requests sent first (0: none)")
+    g.add_argument("--metrics-settle", type=float, default=30.0,
+                   help="seconds to wait for the server's request counters to include the run")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `bench run` and `bench compare` to the kvtide CLI."""
+    bench = subparsers.add_parser("bench", help="benchmark a server, or compare routing policies side by side")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    run_p = sub.add_parser("run", help="run one workload against an OpenAI-compatible server; write a run JSON")
+    run_p.add_argument("--url", required=True, help="server base URL on loopback, e.g. http://127.0.0.1:8000")
+    run_p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
+    run_p.add_argument("--metrics-url", help="Prometheus text endpoint, e.g. http://127.0.0.1:8080/metrics")
+    run_p.add_argument("--policy", help="routing policy label for the report (null if not given)")
+    run_p.add_argument("--out", required=True, help="run JSON path")
+    run_p.add_argument("--samples", help="also write per-request results as JSON lines here")
+    _add_workload_flags(run_p)
+    _add_load_flags(run_p)
+    run_p.set_defaults(func=cmd_run)
+
+    cmp_p = sub.add_parser("compare", help="start the local cluster once per policy and compare them")
+    cmp_p.add_argument("--config", "-c", help="cluster config YAML (default: the embedded CPU demo config)")
+    cmp_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="config override for every run, e.g. --set http.port=8200 (repeatable)")
+    cmp_p.add_argument("--policies", default="pow2,ray_prefix,prefix_aware",
+                       help="comma-separated routing.policy values; the first (or pow2) is the baseline")
+    cmp_p.add_argument("--out", required=True, help="output directory")
+    _add_workload_flags(cmp_p)
+    _add_load_flags(cmp_p)
+    cmp_p.set_defaults(func=cmd_compare)
+
+
+# ---- shared steps -----------------------------------------------------------------------------
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    tokens_per_word = args.tokens_per_word
+    if tokens_per_word is None:
+        tokens_per_word = calibrate_tokens_per_word(args.tokenizer) if args.tokenizer else DEFAULT_TOKENS_PER_WORD
+    params = make_params(args.workload, **vars(args))
+    workload = build_workload(args.workload, params, seed=args.seed, tokens_per_word=tokens_per_word)
+    if args.max_requests is not None:
+        workload = Workload(workload.name, workload.params, workload.seed, workload.requests[: args.max_requests])
+    return workload
+
+
+async def scrape(client: httpx.AsyncClient, metrics_url: str | None) -> MetricsSample | None:
+    if not metrics_url:
+        return None
+    resp = await client.get(metrics_url)
+    resp.raise_for_status()
+    return parse_metrics(resp.text)
+
+
+async def _settled_after(client: httpx.AsyncClient, metrics_url: str | None, before: MetricsSample | None,
+                         num_ok: int, settle_s: float) -> MetricsSample | None:
+    """Scrape until the request counters include the run's successes (metrics export lags), or give up."""
+    after = await scrape(client, metrics_url)
+    deadline = time.monotonic() + settle_s
+    while after is not None and before is not None and time.monotonic() < deadline:
+        delta = metrics_delta(before, after)
+        if delta is not None and sum(delta.requests_by_replica.values()) >= num_ok:
+            break
+        await asyncio.sleep(METRICS_POLL_S)
+        after = await scrape(client, metrics_url)
+    return after
+
+
+async def _warmup(base_url: str, model: str | None, endpoint: str, count: int) -> None:
+    if count <= 0:
+        return
+    warm = build_workload("random", make_params("random", num_requests=count, input_len=64, output_len=8), seed=-1)
+    await run_load(base_url, warm.requests, concurrency=min(count, 4), duration_s=120.0, model=model,
+                   endpoint=endpoint, progress=False)
+
+
+async def bench_once(base_url: str, metrics_url: str | None, workload: Workload, policy: str | None,
+                     args: argparse.Namespace, model: str | None = None) -> tuple[dict[str, Any], LoadResult]:
+    """Warm up, scrape, run the workload, scrape again after the counters settle; the run JSON and raw results."""
+    await _warmup(base_url, model, args.endpoint, args.warmup)
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        before = await scrape(client, metrics_url)
+        load = await run_load(base_url, workload.requests, duration_s=args.duration, rate=args.rate,
+                              concurrency=args.concurrency, model=model, endpoint=args.endpoint, seed=args.seed,
+                              request_timeout_s=args.request_timeout, progress=not args.no_progress)
+        num_ok = sum(r.ok for r in load.results)
+        after = await _settled_after(client, metrics_url, before, num_ok, args.metrics_settle)
+    report = build_run_report(workload=workload.name, policy=policy, results=load.results,
+                              duration_s=load.duration_s, metrics=metrics_delta(before, after))
+    return report, load
+
+
+def _write_json(path: str | Path, data: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def _write_samples(path: str | Path, load: LoadResult) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r in load.results:
+            f.write(json.dumps(asdict(r), separators=(",", ":")) + "\n")
+
+
+def _one_line(report: dict[str, Any]) -> str:
+    ttft = report["ttft_s"]["p50"]
+    rate = report["prefix_cache_hit_rate"]
+    return (f"{report['policy'] or '-'}: {report['num_requests']} requests ({report['num_errors']} errors), "
+            f"{report['requests_per_s']:.2f} req/s, {report['output_tokens_per_s']:.1f} tok/s, "
+            f"TTFT p50 {'-' if ttft is None else f'{ttft:.3f}'} s, hit rate {'-' if rate is None else f'{rate:.2f}'}, "
+            f"imbalance {report['imbalance']}")
+
+
+# ---- commands -----------------------------------------------------------------------------------
+
+def cmd_run(args: argparse.Namespace) -> int:
+    workload = workload_from_args(args)
+    report, load = asyncio.run(bench_once(args.url, args.metrics_url, workload, args.policy, args, args.model))
+    _write_json(args.out, report)
+    if args.samples:
+        _write_samples(args.samples, load)
+    print(_one_line(report))
+    print(f"kvtide bench: wrote {args.out}")
+    return 0 if report["num_errors"] == 0 else 1
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from benchmarks.plots import write_plots
+    from benchmarks.report import RequestResult, compare_markdown
+    from cluster import local
+    from cluster.config import load_config
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        print("kvtide bench compare: --policies is empty; give e.g. pow2,prefix_aware", file=sys.stderr)
+        return 2
+    config_path = args.config or _default_config_path()
+    # Validate every policy's config before starting anything: a typo fails in a second, not after a run.
+    configs = {p: load_config(config_path, [*args.overrides, f"routing.policy={p}"]) for p in policies}
+    workload = workload_from_args(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    samples: dict[str, list[RequestResult]] = {}
+    for policy, config in configs.items():
+        print(f"kvtide bench compare: starting the cluster with routing.policy={policy} ...", flush=True)
+        cluster = local.start(config)
+        try:
+            report, load = asyncio.run(bench_once(cluster.base_url, cluster.metrics_url, workload, policy, args,
+                                                  cluster.model_name))
+        finally:
+            local.stop()
+        results[policy], samples[policy] = report, load.results
+        _write_samples(out / f"{policy}.requests.jsonl", load)
+        _write_json(out / "results.json", results)  # after each policy: a crash keeps finished runs
+        print(_one_line(report), flush=True)
+    command = "kvtide " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else None
+    (out / "report.md").write_text(compare_markdown(results, command=command))
+    write_plots(results, samples, out)
+    print(f"kvtide bench compare: wrote {out}/results.json, report.md and plots")
+    return 0
+
+
+def _default_config_path() -> str:
+    from importlib.resources import files
+
+    return str(files("cluster") / "configs" / "cpu.yaml")

@@ -1,0 +1,219 @@
+"""One benchmark run → one JSON object; pure functions, unit-tested.
+
+The run JSON has exactly these keys (`RUN_KEYS`), whatever server was measured:
+
+    workload, policy                      what ran (policy null when unknown, e.g. bare vLLM)
+    num_requests, num_errors              finished requests (ok + failed), failed ones
+    duration_s                            first send → last response
+    requests_per_s, output_tokens_per_s   successful requests / output tokens per second
+    ttft_s, itl_s, e2e_s                  {p50, p90, p99, mean} in seconds, null fields if no samples
+    prefix_cache_hit_rate                 engine prefix-cache hits / queries over the run (tokens)
+    requests_per_replica                  {replica id: requests finished there over the run}
+    imbalance                             max / mean of requests_per_replica
+
+The last three come from the server's Prometheus text, read before and after the run;
+the deltas exclude whatever ran earlier. Series names, both spellings accepted:
+
+    served through Ray's metrics agent        bare `vllm serve`
+    ray_vllm_prefix_cache_hits_total          vllm:prefix_cache_hits_total
+    ray_vllm_prefix_cache_queries_total       vllm:prefix_cache_queries_total
+    ray_vllm_request_success_total            vllm:request_success_total
+
+Under Ray, vLLM's stat logger tags every series with `ReplicaId` (the Serve replica's
+unique id), which is what `requests_per_replica` groups by; a bare server has one
+engine and reports under the key "vllm".
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+RUN_KEYS = (
+    "workload", "policy", "num_requests", "num_errors", "duration_s", "requests_per_s", "output_tokens_per_s",
+    "ttft_s", "itl_s", "e2e_s", "prefix_cache_hit_rate", "requests_per_replica", "imbalance",
+)
+STAT_KEYS = ("p50", "p90", "p99", "mean")
+
+PREFIX_HITS = ("ray_vllm_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
+PREFIX_QUERIES = ("ray_vllm_prefix_cache_queries_total", "vllm:prefix_cache_queries_total")
+REQUEST_SUCCESS = ("ray_vllm_request_success_total", "vllm:request_success_total")
+# Labels that name one engine, most specific first; a series with none of them is "vllm".
+REPLICA_LABELS = ("ReplicaId", "replica")
+BARE_SERVER_KEY = "vllm"
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """One request as the load generator saw it (times in seconds, relative to the run start)."""
+
+    ok: bool
+    start_s: float
+    e2e_s: float
+    ttft_s: float | None = None
+    itl_s: tuple[float, ...] = ()
+    num_output_tokens: int = 0
+    error: str | None = None
+    group: str = ""
+
+
+@dataclass(frozen=True)
+class MetricsSample:
+    """The counters a run needs, read from one scrape of a metrics endpoint."""
+
+    prefix_cache_hits: float = 0.0
+    prefix_cache_queries: float = 0.0
+    requests_by_replica: Mapping[str, float] = field(default_factory=dict)
+
+
+# ---- statistics ------------------------------------------------------------------------
+
+def percentile(samples: Sequence[float], p: float) -> float:
+    """The p-th percentile (0..100) with linear interpolation between order statistics (numpy's default)."""
+    if not samples:
+        raise ValueError("percentile of no samples")
+    if not 0.0 <= p <= 100.0:
+        raise ValueError(f"percentile p={p} must be within 0..100")
+    ordered = sorted(samples)
+    rank = (len(ordered) - 1) * p / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float | None]:
+    """{p50, p90, p99, mean}; every field null when there are no samples."""
+    if not samples:
+        return {k: None for k in STAT_KEYS}
+    return {"p50": percentile(samples, 50), "p90": percentile(samples, 90), "p99": percentile(samples, 99),
+            "mean": sum(samples) / len(samples)}
+
+
+def imbalance(requests_per_replica: Mapping[str, float]) -> float | None:
+    """max / mean of the per-replica counts (1.0 is perfectly even); null if there are none."""
+    if not requests_per_replica:
+        return None
+    mean = sum(requests_per_replica.values()) / len(requests_per_replica)
+    return max(requests_per_replica.values()) / mean if mean > 0 else None
+
+
+# ---- Prometheus text ---------------------------------------------------------------------
+
+def parse_metrics(text: str) -> MetricsSample:
+    """Sum the prefix-cache counters and group request successes by replica, from Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    hits = queries = 0.0
+    by_replica: dict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name in PREFIX_HITS:
+                hits += sample.value
+            elif name in PREFIX_QUERIES:
+                queries += sample.value
+            elif name in REQUEST_SUCCESS:
+                by_replica[_replica_of(sample.labels)] += sample.value
+    return MetricsSample(hits, queries, dict(by_replica))
+
+
+def _replica_of(labels: Mapping[str, str]) -> str:
+    for key in REPLICA_LABELS:
+        if labels.get(key):
+            return labels[key]
+    return BARE_SERVER_KEY
+
+
+def metrics_delta(before: MetricsSample | None, after: MetricsSample | None) -> MetricsSample | None:
+    """after − before; a replica absent before (started during the run) counts from zero."""
+    if before is None or after is None:
+        return None
+    replicas = set(before.requests_by_replica) | set(after.requests_by_replica)
+    by_replica = {r: after.requests_by_replica.get(r, 0.0) - before.requests_by_replica.get(r, 0.0)
+                  for r in sorted(replicas)}
+    return MetricsSample(after.prefix_cache_hits - before.prefix_cache_hits,
+                         after.prefix_cache_queries - before.prefix_cache_queries,
+                         {r: n for r, n in by_replica.items() if n > 0})
+
+
+# ---- the run JSON ----------------------------------------------------------------------------
+
+def build_run_report(*, workload: str, policy: str | None, results: Iterable[RequestResult], duration_s: float,
+                     metrics: MetricsSample | None) -> dict[str, Any]:
+    """The run JSON (exactly `RUN_KEYS`) from per-request results and the metrics delta (None: no metrics URL)."""
+    results = list(results)
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    itls = [gap for r in ok for gap in r.itl_s]
+    per_replica: dict[str, int] = {}
+    hit_rate = None
+    if metrics is not None:
+        per_replica = {r: int(round(n)) for r, n in metrics.requests_by_replica.items()}
+        if metrics.prefix_cache_queries > 0:
+            hit_rate = metrics.prefix_cache_hits / metrics.prefix_cache_queries
+    rate = (lambda n: n / duration_s) if duration_s > 0 else (lambda n: 0.0)
+    report = {
+        "workload": workload,
+        "policy": policy,
+        "num_requests": len(results),
+        "num_errors": len(results) - len(ok),
+        "duration_s": duration_s,
+        "requests_per_s": rate(len(ok)),
+        "output_tokens_per_s": rate(sum(r.num_output_tokens for r in ok)),
+        "ttft_s": summarize(ttfts),
+        "itl_s": summarize(itls),
+        "e2e_s": summarize([r.e2e_s for r in ok]),
+        "prefix_cache_hit_rate": hit_rate,
+        "requests_per_replica": per_replica,
+        "imbalance": imbalance(per_replica),
+    }
+    assert tuple(report) == RUN_KEYS
+    return report
+
+
+# ---- side-by-side comparison ---------------------------------------------------------------
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    if value is None or base is None or base == 0:
+        return "–"
+    return f"{value / base:.2f}×"
+
+
+def compare_markdown(results: Mapping[str, Mapping[str, Any]], *, baseline: str = "pow2",
+                     command: str | None = None) -> str:
+    """A Markdown report of run JSONs keyed by policy, with ratios against `baseline` (else the first)."""
+    if not results:
+        return "# Routing policy comparison\n\nNo runs.\n"
+    base_name = baseline if baseline in results else next(iter(results))
+    base = results[base_name]
+    first = next(iter(results.values()))
+    lines = ["# Routing policy comparison", ""]
+    if command:
+        lines += ["Command:", "", f"    {command}", ""]
+    lines += [f"Workload: `{first['workload']}`. Ratios are against `{base_name}`; "
+              "lower is better for latencies, higher for throughput and hit rate.", "",
+              "| policy | req/s | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (s) | e2e p50 (s) "
+              "| prefix-cache hit rate | imbalance | errors |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {_fmt(r['requests_per_s'], 2)} | {_fmt(r['output_tokens_per_s'], 1)} "
+            f"| {_fmt(r['ttft_s']['p50'])} | {_fmt(r['ttft_s']['p99'])} | {_fmt(r['itl_s']['p50'], 4)} "
+            f"| {_fmt(r['e2e_s']['p50'])} | {_fmt(r['prefix_cache_hit_rate'])} | {_fmt(r['imbalance'], 2)} "
+            f"| {r['num_errors']}/{r['num_requests']} |")
+    lines += ["", f"Ratios vs `{base_name}`:", "",
+              "| policy | TTFT p50 | TTFT p99 | output tok/s | hit rate |", "|---|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {_ratio(r['ttft_s']['p50'], base['ttft_s']['p50'])} "
+            f"| {_ratio(r['ttft_s']['p99'], base['ttft_s']['p99'])} "
+            f"| {_ratio(r['output_tokens_per_s'], base['output_tokens_per_s'])} "
+            f"| {_ratio(r['prefix_cache_hit_rate'], base['prefix_cache_hit_rate'])} |")
+    lines += ["", "Plots: `ttft_cdf.png`, `hit_rate.png`, `throughput.png`.", ""]
+    return "\n".join(lines)

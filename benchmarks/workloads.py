@@ -1,0 +1,165 @@
+"""Benchmark workloads: deterministic request lists from a seed.
+
+    shared-prefix   groups × prompts per group; each group shares one long system prompt
+                    (SGLang's generated-shared-prefix: 64 × 16, 2048 / 128 / 256 tokens)
+    multi-turn      users × rounds; one system prompt for all, each round re-sends the
+                    growing conversation (its prefix is the previous round's prompt)
+    random          independent prompts, nothing shared (the no-affinity baseline)
+
+Requests are chat messages (`BenchRequest.messages`). Text is drawn from a fixed word
+list, so token counts are approximate: `tokens_per_word` converts (the default was
+measured with the demo model's tokenizer; `calibrate_tokens_per_word` measures it for
+any local tokenizer). The same seed and parameters give the same requests, byte for byte.
+
+Order: shared-prefix and random are shuffled (seeded), so groups interleave as they
+would from many clients. multi-turn is round-major (all users' round 1, then round 2,
+each round shuffled): with steady arrivals, a user's next round is sent roughly one
+round-length after the previous one. The assistant turns in the history are synthetic
+text of the output length, not the model's replies (the demo model's output is random
+text anyway); what matters for caching is that round k+1's prompt extends round k's.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, fields
+from typing import Any
+
+# ~1.5 tokens per word (leading space included) with the demo model's BPE tokenizer,
+# measured over this word list; see calibrate_tokens_per_word.
+DEFAULT_TOKENS_PER_WORD = 1.5
+
+WORDS = tuple(dict.fromkeys("""
+the of and to in is for that with as on by this be are from or at an it not which can
+if value object function name type return class module list string data set file line
+code method call error time number first new used default argument example attribute
+result option section process system state order field table event source target
+model request server client engine cache block token prefix stream output input window
+replica router policy metric queue batch memory device thread worker node cluster
+simple large small fast slow early late open close start stop read write send receive
+apple river mountain garden window silver orange forest ocean bridge castle pencil
+morning evening summer winter yellow purple circle square market planet rocket
+""".split()))
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request of a workload: chat messages, the output budget, and its sharing group."""
+
+    messages: tuple[dict[str, str], ...]
+    max_tokens: int
+    group: str  # shared-prefix group, multi-turn user, or the request index for random
+
+    def as_prompt(self) -> str:
+        """Plain text for /v1/completions: the messages joined in order."""
+        return "\n".join(f"{m['role']}: {m['content']}" for m in self.messages)
+
+
+@dataclass(frozen=True)
+class SharedPrefixParams:
+    num_groups: int = 64
+    prompts_per_group: int = 16
+    system_prompt_len: int = 2048
+    question_len: int = 128
+    output_len: int = 256
+
+
+@dataclass(frozen=True)
+class MultiTurnParams:
+    num_users: int = 32
+    num_rounds: int = 6
+    system_prompt_len: int = 512
+    question_len: int = 128
+    output_len: int = 128
+
+
+@dataclass(frozen=True)
+class RandomParams:
+    num_requests: int = 1024
+    input_len: int = 1024
+    output_len: int = 256
+
+
+WORKLOAD_PARAMS: dict[str, type] = {
+    "shared-prefix": SharedPrefixParams,
+    "multi-turn": MultiTurnParams,
+    "random": RandomParams,
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    params: Any
+    seed: int
+    requests: tuple[BenchRequest, ...]
+
+
+def _text(rng: random.Random, num_tokens: int, tokens_per_word: float) -> str:
+    num_words = max(1, round(num_tokens / tokens_per_word))
+    return " ".join(rng.choices(WORDS, k=num_words))
+
+
+def _shared_prefix(p: SharedPrefixParams, rng: random.Random, tpw: float) -> list[BenchRequest]:
+    out = []
+    for g in range(p.num_groups):
+        system = {"role": "system", "content": _text(rng, p.system_prompt_len, tpw)}
+        for _ in range(p.prompts_per_group):
+            question = {"role": "user", "content": _text(rng, p.question_len, tpw)}
+            out.append(BenchRequest((system, question), p.output_len, f"group-{g}"))
+    rng.shuffle(out)
+    return out
+
+
+def _multi_turn(p: MultiTurnParams, rng: random.Random, tpw: float) -> list[BenchRequest]:
+    system = {"role": "system", "content": _text(rng, p.system_prompt_len, tpw)}
+    histories: list[list[dict[str, str]]] = [[system] for _ in range(p.num_users)]
+    out = []
+    for _ in range(p.num_rounds):
+        this_round = []
+        for user, history in enumerate(histories):
+            history.append({"role": "user", "content": _text(rng, p.question_len, tpw)})
+            this_round.append(BenchRequest(tuple(history), p.output_len, f"user-{user}"))
+            history.append({"role": "assistant", "content": _text(rng, p.output_len, tpw)})
+        rng.shuffle(this_round)
+        out.extend(this_round)
+    return out
+
+
+def _random(p: RandomParams, rng: random.Random, tpw: float) -> list[BenchRequest]:
+    return [BenchRequest(({"role": "user", "content": _text(rng, p.input_len, tpw)},), p.output_len, f"request-{i}")
+            for i in range(p.num_requests)]
+
+
+_BUILDERS = {"shared-prefix": _shared_prefix, "multi-turn": _multi_turn, "random": _random}
+
+
+def make_params(name: str, **overrides: Any) -> Any:
+    """The params dataclass of workload `name` with the given fields overridden (None values ignored)."""
+    if name not in WORKLOAD_PARAMS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOAD_PARAMS)}")
+    cls = WORKLOAD_PARAMS[name]
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in overrides.items() if k in known and v is not None})
+
+
+def build_workload(name: str, params: Any = None, *, seed: int = 0,
+                   tokens_per_word: float = DEFAULT_TOKENS_PER_WORD) -> Workload:
+    """Requests of workload `name` (see the module docstring), deterministic in (params, seed)."""
+    params = params if params is not None else make_params(name)
+    if not isinstance(params, WORKLOAD_PARAMS.get(name, ())):
+        raise ValueError(f"workload {name!r} takes {WORKLOAD_PARAMS[name].__name__}, got {type(params).__name__}")
+    if tokens_per_word <= 0:
+        raise ValueError(f"tokens_per_word must be positive, got {tokens_per_word}")
+    rng = random.Random(f"{name}:{seed}")  # str seeds hash with sha512: stable across processes
+    requests = _BUILDERS[name](params, rng, tokens_per_word)
+    return Workload(name, params, seed, tuple(requests))
+
+
+def calibrate_tokens_per_word(tokenizer_path: str, *, num_words: int = 2000, seed: int = 0) -> float:
+    """Tokens per word of this module's text under a local HF tokenizer (e.g. the served model's)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    text = " ".join(random.Random(seed).choices(WORDS, k=num_words))
+    return len(tokenizer.encode(text, add_special_tokens=False)) / num_words

@@ -1,0 +1,160 @@
+"""The Ray Serve adapter, fed a real `AutoscalingContext` built by hand (no Ray cluster)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from ray.serve._private.autoscaling_state import _resolve_policy_callable
+from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
+from ray.serve._private.constants import SERVE_AUTOSCALING_DECISION_COUNTERS_KEY
+from ray.serve.autoscaling_policy import _apply_autoscaling_config
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from autoscaling.config import AutoscalingSettings
+from autoscaling.control_law import LawContext, LawState, ReplicaStats, decide
+from autoscaling.ray_policy import (
+    KV_USAGE_KEY,
+    NUM_PREEMPTIONS_TOTAL_KEY,
+    NUM_RUNNING_KEY,
+    NUM_WAITING_KEY,
+    POLICY_STATE_KEY,
+    KvPolicy,
+    autoscaling_config,
+    law_context,
+)
+
+DEPLOYMENT = DeploymentID(name="Engine", app_name="kvtide")
+NOW_S = 1_000_000.0
+
+
+def replica(i: int) -> ReplicaID:
+    return ReplicaID(unique_id=f"r{i}", deployment_id=DEPLOYMENT)
+
+
+def ray_config(**overrides) -> AutoscalingConfig:
+    """Ray's own config object, built from what kvtide passes as the deployment option."""
+    return AutoscalingConfig(**autoscaling_config(AutoscalingSettings(**overrides), 1, 8))
+
+
+def context(kv: list[float], *, target: int | None = None, waiting: float = 0.0, now_s: float = NOW_S,
+            preemption_series: list[tuple[float, float]] | None = None, policy_state: dict | None = None,
+            config: AutoscalingConfig | None = None, unreported: int = 0) -> AutoscalingContext:
+    """A context as the controller builds it: one replica per kv value, plus `unreported` silent ones."""
+    ids = [replica(i) for i in range(len(kv) + unreported)]
+    reported = ids[: len(kv)]
+    aggregated = {
+        KV_USAGE_KEY: dict(zip(reported, kv)),
+        NUM_WAITING_KEY: {r: waiting for r in reported},
+        NUM_RUNNING_KEY: {r: 3.0 for r in reported},
+        NUM_PREEMPTIONS_TOTAL_KEY: {r: 0.0 for r in reported},
+    }
+    series = [TimeStampedValue(timestamp=now_s - age, value=v) for age, v in (preemption_series or [])]
+    raw = {NUM_PREEMPTIONS_TOTAL_KEY: {r: series for r in reported}}
+    return AutoscalingContext(
+        deployment_id=DEPLOYMENT, deployment_name=DEPLOYMENT.name, app_name=DEPLOYMENT.app_name,
+        current_num_replicas=len(ids), target_num_replicas=len(ids) if target is None else target,
+        running_replicas=ids, total_num_requests=lambda: 3.0 * len(ids), total_queued_requests=0.0,
+        aggregated_metrics=lambda: aggregated, raw_metrics=lambda: raw,
+        capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=8,
+        policy_state=dict(policy_state or {}), last_scale_up_time=None, last_scale_down_time=None,
+        current_time=now_s, config=config or ray_config(),
+    )
+
+
+def policy_from_ray(config: AutoscalingConfig):
+    """The policy object exactly as the controller gets it: cloudpickled, then instantiated with policy_kwargs."""
+    return _resolve_policy_callable(config.policy)
+
+
+def test_controller_builds_kv_policy_with_tunables():
+    """Ray resolves the configured import path to a KvPolicy instance carrying kvtide's tunables."""
+    config = ray_config(upscale_delay_s=12.0, max_step=3)
+    policy = policy_from_ray(config)
+    assert type(policy).__name__ == "KvPolicy"
+    assert policy.tunables.upscale_delay_s == 12.0 and policy.tunables.max_step == 3
+
+
+def test_policy_returns_the_laws_decision():
+    """The adapter returns exactly what the law decides on the equivalent LawContext."""
+    settings = AutoscalingSettings()
+    config = ray_config()
+    policy = policy_from_ray(config)
+    state = {POLICY_STATE_KEY: LawState(pressure_since_s=NOW_S - 40).to_dict()}
+    desired, new_state = policy(context([0.95, 0.9], policy_state=state, config=config))
+    expected = decide(
+        LawContext(replicas=(ReplicaStats(0.95, 0.0, 3.0, 0.0), ReplicaStats(0.9, 0.0, 3.0, 0.0)),
+                   num_running_replicas=2, num_starting_replicas=0, min_replicas=1, max_replicas=8, now_s=NOW_S),
+        LawState(pressure_since_s=NOW_S - 40), settings.law_tunables())
+    assert (desired, new_state) == (expected[0], {POLICY_STATE_KEY: expected[1].to_dict()})
+    assert desired == 3
+
+
+def test_policy_state_round_trips_between_ticks():
+    """The timer started on one tick comes back through policy_state and fires after the delay."""
+    policy = KvPolicy(**AutoscalingSettings().law_tunables().__dict__)
+    desired, state = policy(context([0.95, 0.95], now_s=NOW_S))
+    assert desired == 2 and state[POLICY_STATE_KEY]["pressure_since_s"] == NOW_S
+    desired, state = policy(context([0.95, 0.95], now_s=NOW_S + 10, policy_state=state))
+    assert desired == 2 and state[POLICY_STATE_KEY]["pressure_since_s"] == NOW_S
+    desired, state = policy(context([0.95, 0.95], now_s=NOW_S + 30, policy_state=state))
+    assert desired == 3 and state[POLICY_STATE_KEY] == LawState().to_dict()
+
+
+def test_ray_wrapper_passes_the_decision_through_and_keeps_state():
+    """Under Ray's own wrapper (factors, delays set to 0 by kvtide) the law's answer is final and its state kept."""
+    config = ray_config()
+    wrapped = _apply_autoscaling_config(policy_from_ray(config))
+    state = {POLICY_STATE_KEY: LawState(pressure_since_s=NOW_S - 30).to_dict()}
+    desired, new_state = wrapped(context([0.95, 0.95], policy_state=state, config=config))
+    assert desired == 3 and new_state[POLICY_STATE_KEY] == LawState().to_dict()
+    # Holding: Ray adds its delay keys, the law's timer survives next to them.
+    desired, new_state = wrapped(context([0.95, 0.95], now_s=NOW_S + 1, policy_state=new_state, config=config))
+    assert desired == 2 and new_state[POLICY_STATE_KEY]["pressure_since_s"] == NOW_S + 1
+    assert SERVE_AUTOSCALING_DECISION_COUNTERS_KEY in new_state
+
+
+def test_context_translation_counts_starting_and_skips_silent_replicas():
+    """target > running gives starting replicas; replicas with no report add no stats but count as running."""
+    law = law_context(context([0.5, 0.7], target=5, unreported=1), look_back_s=30.0)
+    assert (law.num_running_replicas, law.num_starting_replicas) == (3, 2)
+    assert [s.kv_usage_perc for s in law.replicas] == [0.5, 0.7]
+    assert (law.min_replicas, law.max_replicas, law.now_s) == (1, 8, NOW_S)
+
+
+def test_scale_down_in_flight_is_not_undone():
+    """With target below running (Ray is stopping replicas) a hold returns the target, not the running count."""
+    policy = KvPolicy()
+    desired, _ = policy(context([0.5, 0.5, 0.5], target=2))
+    assert desired == 2
+
+
+@pytest.mark.parametrize("series, expected", [
+    ([], 0.0),
+    ([(5.0, 7.0)], 0.0),                               # one sample: no delta yet
+    ([(25.0, 7.0), (15.0, 9.0), (5.0, 12.0)], 5.0),
+    ([(60.0, 0.0), (20.0, 7.0), (5.0, 8.0)], 1.0),     # the 60 s old sample is outside the window
+])
+def test_preemptions_are_counter_deltas_over_the_window(series, expected):
+    """The cumulative preemption counter becomes preemptions within the look-back window."""
+    law = law_context(context([0.7], preemption_series=series), look_back_s=30.0)
+    assert law.replicas[0].num_preemptions == expected
+
+
+def test_preemption_counter_drives_scale_up_through_ray():
+    """A climbing preemption counter at target KV makes the policy add a replica, labelled preemption."""
+    policy = KvPolicy()
+    state = {POLICY_STATE_KEY: LawState(pressure_since_s=NOW_S - 30).to_dict()}
+    desired, _ = policy(context([0.7, 0.7], policy_state=state, preemption_series=[(20.0, 0.0), (1.0, 4.0)]))
+    assert desired == 3
+
+
+def test_policy_logs_one_line_per_change(caplog):
+    """Actions and timer changes log at INFO as a single line; a steady hold logs at DEBUG."""
+    policy = KvPolicy()
+    with caplog.at_level(logging.DEBUG, logger="ray.serve.kvtide.autoscaler"):
+        policy(context([0.7, 0.7]))
+        policy(context([0.7, 0.7], now_s=NOW_S + 1))
+    levels = [r.levelno for r in caplog.records if r.name == "ray.serve.kvtide.autoscaler"]
+    assert levels == [logging.INFO, logging.DEBUG]
+    assert all("\n" not in r.getMessage() and "reason=hold" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,92 @@
+"""The `autoscaling:` config section, the Serve `autoscaling_config` it becomes, and the replica stats dict."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+from ray.serve.config import AutoscalingConfig
+
+from autoscaling.config import AutoscalingSettings, WarmStartSettings
+from autoscaling.control_law import LawTunables
+from autoscaling.ray_policy import KV_POLICY_PATH, METRIC_KEYS, autoscaling_config, replica_autoscaling_stats
+
+
+def test_defaults_match_the_law():
+    """Defaults are the kv policy with the law's own default tunables and warm start on."""
+    settings = AutoscalingSettings()
+    assert settings.policy == "kv"
+    assert settings.law_tunables() == LawTunables()
+    assert settings.warm_start == WarmStartSettings() and settings.warm_start.enabled
+
+
+def test_unknown_key_is_rejected():
+    """A typo in the section is an error naming the key, not a silent default."""
+    with pytest.raises(ValidationError, match="upscale_delay"):
+        AutoscalingSettings.model_validate({"upscale_delay": 10})
+    with pytest.raises(ValidationError, match="budget"):
+        AutoscalingSettings.model_validate({"warm_start": {"budget": 10}})
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"lower_kv_perc": 0.9, "upper_kv_perc": 0.85}, ["autoscaling.lower_kv_perc=0.9", "upper_kv_perc=0.85",
+                                                     "lower_kv_perc < target_kv_perc < upper_kv_perc"]),
+    ({"target_kv_perc": 0.5}, ["autoscaling.target_kv_perc=0.5", "lower_kv_perc=0.6", "raise target_kv_perc"]),
+    ({"target_kv_perc": 0.9}, ["autoscaling.target_kv_perc=0.9", "upper_kv_perc=0.85", "lower target_kv_perc"]),
+])
+def test_threshold_errors_name_field_value_and_fix(data, words):
+    """Thresholds out of order fail with the field, its value and the ordering to restore."""
+    with pytest.raises(ValidationError) as info:
+        AutoscalingSettings.model_validate(data)
+    message = str(info.value)
+    for word in words:
+        assert word in message
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"max_step": 0}, "max_step"),
+    ({"upscale_delay_s": -1}, "upscale_delay_s"),
+    ({"policy": "rps"}, "policy"),
+    ({"warm_start": {"token_budget": -5}}, "token_budget"),
+])
+def test_out_of_range_values_name_the_field(data, field):
+    """Out-of-range values fail and the error names the field."""
+    with pytest.raises(ValidationError, match=field):
+        AutoscalingSettings.model_validate(data)
+
+
+def test_kv_autoscaling_config_is_valid_for_ray():
+    """The kv option dict validates as Ray's AutoscalingConfig, points at KvPolicy and hands the delays to the law."""
+    settings = AutoscalingSettings(upscale_delay_s=45.0, look_back_s=20.0)
+    option = autoscaling_config(settings, 0, 6)
+    json.dumps(option)  # serveConfigV2 carries it as plain data
+    config = AutoscalingConfig(**option)
+    assert (config.min_replicas, config.max_replicas, config.initial_replicas) == (0, 6, 1)
+    assert config.policy.policy_function == KV_POLICY_PATH
+    assert config.policy.policy_kwargs["upscale_delay_s"] == 45.0
+    assert (config.upscale_delay_s, config.downscale_delay_s, config.look_back_period_s) == (0.0, 0.0, 20.0)
+
+
+def test_queue_length_autoscaling_config_is_rays_default():
+    """queue_length uses Ray's request-count policy with target_ongoing_requests and the configured delays."""
+    option = autoscaling_config(AutoscalingSettings(policy="queue_length", target_ongoing_requests=24), 2, 4)
+    config = AutoscalingConfig(**option)
+    assert config.policy.is_default_policy_function()
+    assert config.target_ongoing_requests == 24
+    assert (config.upscale_delay_s, config.downscale_delay_s) == (30.0, 300.0)
+    assert config.initial_replicas == 2
+
+
+def test_autoscaling_config_rejects_inverted_bounds():
+    """min above max is refused with both values in the message."""
+    with pytest.raises(ValueError, match="min_replicas=5.*max_replicas=2"):
+        autoscaling_config(AutoscalingSettings(), 5, 2)
+
+
+def test_replica_stats_are_flat_floats_with_documented_keys():
+    """record_autoscaling_stats returns the documented keys as floats, KV clamped to 0..1."""
+    stats = replica_autoscaling_stats(kv_usage_perc=1.2, num_waiting=3, num_running=7, num_preemptions_total=11)
+    assert tuple(stats) == METRIC_KEYS
+    assert all(type(v) is float for v in stats.values())
+    assert list(stats.values()) == [1.0, 3.0, 7.0, 11.0]

@@ -1,0 +1,117 @@
+"""Benchmark workloads: deterministic, shaped as specified, sharing exactly what they should."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import pytest
+
+from benchmarks.workloads import (
+    MultiTurnParams,
+    RandomParams,
+    SharedPrefixParams,
+    build_workload,
+    make_params,
+)
+
+SMALL = {
+    "shared-prefix": SharedPrefixParams(num_groups=4, prompts_per_group=3, system_prompt_len=60, question_len=9,
+                                        output_len=7),
+    "multi-turn": MultiTurnParams(num_users=3, num_rounds=4, system_prompt_len=30, question_len=6, output_len=5),
+    "random": RandomParams(num_requests=10, input_len=40, output_len=11),
+}
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_same_seed_same_requests(name):
+    """The same name, params and seed give identical requests; another seed gives different ones."""
+    a = build_workload(name, SMALL[name], seed=1)
+    assert a.requests == build_workload(name, SMALL[name], seed=1).requests
+    assert a.requests != build_workload(name, SMALL[name], seed=2).requests
+
+
+@pytest.mark.parametrize("name, count, max_tokens", [
+    ("shared-prefix", 12, 7), ("multi-turn", 12, 5), ("random", 10, 11),
+])
+def test_request_count_and_output_budget(name, count, max_tokens):
+    """Each workload yields its request count and sends output_len as max_tokens."""
+    w = build_workload(name, SMALL[name])
+    assert len(w.requests) == count
+    assert {r.max_tokens for r in w.requests} == {max_tokens}
+
+
+def test_shared_prefix_groups_share_only_their_system_prompt():
+    """Requests of a group share one system prompt; groups differ; questions are fresh."""
+    w = build_workload("shared-prefix", SMALL["shared-prefix"])
+    systems = defaultdict(set)
+    for r in w.requests:
+        assert [m["role"] for m in r.messages] == ["system", "user"]
+        systems[r.group].add(r.messages[0]["content"])
+    assert Counter(r.group for r in w.requests) == {f"group-{g}": 3 for g in range(4)}
+    assert all(len(s) == 1 for s in systems.values())
+    assert len({next(iter(s)) for s in systems.values()}) == 4
+    assert len({r.messages[1]["content"] for r in w.requests}) == 12
+
+
+def test_shared_prefix_is_shuffled():
+    """Groups interleave (seeded shuffle), rather than arriving one group at a time."""
+    groups = [r.group for r in build_workload("shared-prefix", SMALL["shared-prefix"]).requests]
+    assert groups != sorted(groups, key=lambda g: int(g.split("-")[1]))
+
+
+def test_multi_turn_history_grows_and_extends_previous_round():
+    """Round k+1 of a user re-sends round k's messages plus an assistant turn and a new question."""
+    w = build_workload("multi-turn", SMALL["multi-turn"])
+    by_user = defaultdict(list)
+    for r in w.requests:
+        by_user[r.group].append(r.messages)
+    for rounds in by_user.values():
+        assert [len(m) for m in rounds] == [2, 4, 6, 8]
+        for prev, cur in zip(rounds, rounds[1:]):
+            assert cur[: len(prev)] == prev
+            assert [m["role"] for m in cur[len(prev):]] == ["assistant", "user"]
+    assert len({msgs[0]["content"] for msgs in by_user["user-0"]} |
+               {msgs[0]["content"] for msgs in by_user["user-1"]}) == 1  # one system prompt for all
+
+
+def test_multi_turn_is_round_major():
+    """All users' round k come before any user's round k+1."""
+    lengths = [len(r.messages) for r in build_workload("multi-turn", SMALL["multi-turn"]).requests]
+    assert lengths == sorted(lengths)
+
+
+def test_random_prompts_share_nothing():
+    """Random prompts are all distinct."""
+    w = build_workload("random", SMALL["random"])
+    assert len({r.messages[0]["content"] for r in w.requests}) == 10
+
+
+def test_length_scales_with_tokens_per_word():
+    """Word counts follow tokens / tokens_per_word (the token-count approximation)."""
+    p = RandomParams(num_requests=1, input_len=300, output_len=1)
+    words = lambda tpw: len(build_workload("random", p, tokens_per_word=tpw).requests[0].messages[0]["content"].split())
+    assert words(1.5) == 200 and words(1.0) == 300
+
+
+def test_defaults_are_sglang_generated_shared_prefix():
+    """shared-prefix defaults are SGLang's 64 groups × 16 prompts, 2048/128/256 tokens."""
+    assert make_params("shared-prefix") == SharedPrefixParams(64, 16, 2048, 128, 256)
+
+
+def test_make_params_ignores_other_workloads_flags_and_nones():
+    """make_params takes only its workload's fields and skips unset (None) flags."""
+    p = make_params("random", num_requests=5, num_groups=9, input_len=None)
+    assert p == RandomParams(num_requests=5)
+
+
+def test_unknown_workload_is_rejected():
+    """An unknown workload name fails with the valid choices."""
+    with pytest.raises(ValueError, match="shared-prefix"):
+        make_params("nope")
+
+
+def test_as_prompt_joins_messages():
+    """The completions rendering keeps every message, in order."""
+    r = build_workload("multi-turn", SMALL["multi-turn"]).requests[-1]
+    assert r.as_prompt().splitlines()[0].startswith("system: ")
+    assert r.as_prompt().count("\n") == len(r.messages) - 1

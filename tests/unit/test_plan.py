@@ -1,0 +1,142 @@
+"""Capacity planning (`autoscaling.capacity`) and the `kvtide plan` subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from autoscaling.capacity import (
+    GIB,
+    ModelShape,
+    estimate_num_params,
+    kv_bytes_per_token,
+    plan_capacity,
+    shape_from_config,
+    suggest_tp,
+)
+from autoscaling.cli import register
+
+LLAMA_70B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
+    "num_attention_heads": 64, "num_hidden_layers": 80, "num_key_value_heads": 8, "vocab_size": 128256,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+LLAMA_70B = ModelShape(num_layers=80, num_kv_heads=8, head_dim=128, dtype="bf16", num_attention_heads=64,
+                       num_params=70_600_000_000)
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="kvtide")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    code = args.func(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_llama_70b_kv_bytes_per_token():
+    """Llama-3.1-70B in bf16 needs 2 × 80 × 8 × 128 × 2 = 327,680 KV bytes per token."""
+    assert kv_bytes_per_token(80, 8, 128, "bf16") == 327_680
+    assert LLAMA_70B.kv_bytes_per_token == 327_680
+
+
+def test_param_estimate_from_config():
+    """The Llama-style estimate lands on 70.55 B parameters for Llama-3.1-70B's config."""
+    assert estimate_num_params(LLAMA_70B_CONFIG) == 70_553_706_496
+
+
+def test_shape_from_config_fallbacks():
+    """KV heads fall back to attention heads, head_dim to hidden/heads, dtype from torch_dtype or dtype."""
+    shape = shape_from_config({"num_hidden_layers": 4, "num_attention_heads": 8, "hidden_size": 512, "dtype": "float32"})
+    assert (shape.num_kv_heads, shape.head_dim, shape.dtype) == (8, 64, "float32")
+    assert shape.kv_bytes_per_token == 2 * 4 * 8 * 64 * 4
+
+
+def test_capacity_arithmetic():
+    """KV capacity is (GPU mem × util − weights/TP − reserve) × TP, divided by KV bytes per token."""
+    plan = plan_capacity(LLAMA_70B, gpu_mem_gib=139, max_model_len=131072, tensor_parallel_size=4)
+    per_gpu = 139 * GIB * 0.9 - 70_600_000_000 * 2 / 4 - 2 * GIB
+    assert plan.kv_bytes_per_replica == int(per_gpu * 4)
+    assert plan.kv_tokens_per_replica == int(per_gpu * 4) // 327_680
+    assert plan.max_full_context_requests == plan.kv_tokens_per_replica // 131072
+    assert plan.requests_at_len == {1024: plan.kv_tokens_per_replica // 1024, 4096: plan.kv_tokens_per_replica // 4096}
+
+
+def test_weights_that_do_not_fit_leave_no_kv():
+    """A 70B model on one 80 GiB GPU has no KV capacity and the plan says it does not fit."""
+    plan = plan_capacity(LLAMA_70B, gpu_mem_gib=80, max_model_len=8192, tensor_parallel_size=1)
+    assert plan.kv_tokens_per_replica == 0 and not plan.fits
+
+
+@pytest.mark.parametrize("gpu_mem_gib, max_model_len, expected", [
+    (139, 131072, 4),   # TP 2 holds 2 full-context requests, TP 4 holds 9
+    (80, 8192, 4),      # TP 1: weights overflow; TP 2: 27k tokens < 4 × 8192
+    (80, 1_000_000, None),
+])
+def test_suggested_tp_is_smallest_power_of_two_that_fits(gpu_mem_gib, max_model_len, expected):
+    """The suggestion is the smallest power-of-two TP holding 4 full-context requests (None if none does)."""
+    assert suggest_tp(LLAMA_70B, 70_600_000_000 * 2, gpu_mem_gib, max_model_len) == expected
+
+
+def test_kv_heads_replicate_when_tp_exceeds_them():
+    """With TP above the KV-head count each GPU keeps a whole head, so tokens per replica stop growing with TP."""
+    shape = ModelShape(num_layers=32, num_kv_heads=2, head_dim=128, dtype="bf16", num_params=1_000_000_000)
+    tp2 = plan_capacity(shape, 80, 4096, 2)
+    tp4 = plan_capacity(shape, 80, 4096, 4)
+    assert tp4.kv_bytes_per_replica > tp2.kv_bytes_per_replica
+    assert tp4.kv_tokens_per_replica == pytest.approx(tp2.kv_tokens_per_replica * tp4.kv_bytes_per_replica
+                                                      / tp2.kv_bytes_per_replica / 2, rel=1e-6)
+
+
+def test_cli_reads_config_json(tmp_path, capsys):
+    """`kvtide plan --model DIR` reads DIR/config.json and prints KV bytes per token, weights and capacity."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B_CONFIG))
+    code, out, _ = run_cli(["plan", "--model", str(tmp_path), "--gpu-mem-gib", "139", "--tp", "4",
+                            "--max-model-len", "131072"], capsys)
+    assert code == 0
+    assert "KV bytes per token:       327,680" in out
+    assert "141,107,412,992 bytes" in out  # 70,553,706,496 params × 2 bytes
+    assert "suggested TP size:        4" in out
+    assert "at full context (131,072 tokens)" in out and "at 1,024 tokens" in out and "at 4,096 tokens" in out
+
+
+def test_cli_with_explicit_shape_prints_the_numbers(capsys):
+    """Shape flags plus --params-b give the same KV bytes and the computed capacity."""
+    code, out, _ = run_cli(["plan", "--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--dtype", "bf16",
+                            "--params-b", "70.6", "--gpu-mem-gib", "139", "--tp", "4", "--max-model-len", "131072"],
+                           capsys)
+    plan = plan_capacity(LLAMA_70B, 139, 131072, 4)
+    assert code == 0
+    assert "327,680" in out
+    assert f"{plan.kv_tokens_per_replica:,} tokens" in out
+    assert f"{plan.max_full_context_requests:,} at full context" in out
+
+
+def test_cli_json_output(capsys):
+    """--json prints the plan as JSON with the same numbers."""
+    code, out, _ = run_cli(["plan", "--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--params-b", "70.6",
+                            "--gpu-mem-gib", "139", "--tp", "4", "--max-model-len", "131072", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["kv_bytes_per_token"] == 327_680 and data["suggested_tensor_parallel_size"] == 4
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--layers", "80", "--gpu-mem-gib", "80", "--max-model-len", "4096"], "--kv-heads"),
+    (["--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--gpu-mem-gib", "80", "--max-model-len", "4096"],
+     "--params-b"),
+    (["--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--dtype", "bf17", "--params-b", "1",
+      "--gpu-mem-gib", "80", "--max-model-len", "4096"], "bf17"),
+])
+def test_cli_errors_say_what_to_pass(argv, words, capsys):
+    """Missing or bad flags exit 2 with a message naming the flag or value to fix."""
+    code, _, err = run_cli(["plan", *argv], capsys)
+    assert code == 2 and words in err
+
+
+def test_cli_missing_model_dir(tmp_path, capsys):
+    """A --model path without config.json exits 2 and says what --model takes."""
+    code, _, err = run_cli(["plan", "--model", str(tmp_path / "nope"), "--gpu-mem-gib", "80",
+                            "--max-model-len", "4096"], capsys)
+    assert code == 2 and "config.json" in err

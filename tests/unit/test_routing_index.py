@@ -1,0 +1,135 @@
+"""PrefixIndex: engine truth from digests, optimistic routing history with a TTL, prefix matching."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from deployments.routing.block_hash import BlockHash, block_hashes
+from deployments.routing.prefix_index import PrefixIndex
+from deployments.routing.snapshot import CacheDigest
+
+BS = 4
+TTL_S = 10.0
+PROMPT = block_hashes(list(range(32)), BS)  # 8 blocks
+OTHER = block_hashes(list(range(1000, 1032)), BS)
+
+
+def digest(replica: str, hashes, seq: int = 1, *, epoch: int = 1, all_cleared: bool = False) -> CacheDigest:
+    return CacheDigest.from_hashes(replica, epoch, seq, hashes, all_cleared=all_cleared)
+
+
+@pytest.fixture
+def index() -> PrefixIndex:
+    return PrefixIndex(history_ttl_s=TTL_S)
+
+
+@pytest.mark.parametrize("held, expected", [
+    ({"a": PROMPT}, {"a": 8}),
+    ({"a": PROMPT[:3]}, {"a": 3}),
+    ({"a": PROMPT, "b": PROMPT[:5]}, {"a": 8, "b": 5}),
+    ({"a": PROMPT[1:]}, {}),                       # missing first block: nothing reusable
+    ({"a": PROMPT[:2] + PROMPT[3:]}, {"a": 2}),    # a hole ends the prefix
+    ({"a": OTHER}, {}),
+])
+def test_match_is_longest_prefix_per_replica(index, held, expected):
+    """match() counts blocks up to each replica's first miss; replicas matching nothing are absent."""
+    for seq, (rid, hashes) in enumerate(held.items()):
+        index.apply_digest(digest(rid, hashes, seq))
+    assert index.match(PROMPT, now_s=0.0) == expected
+
+
+def test_digest_replaces_so_evictions_are_seen(index):
+    """A later digest without the blocks removes them: evicted prefixes stop matching."""
+    index.apply_digest(digest("a", PROMPT, 1))
+    index.apply_digest(digest("a", PROMPT[:2], 2))
+    assert index.match(PROMPT, 0.0) == {"a": 2}
+    assert index.num_engine_blocks == 2
+
+
+def test_stale_digest_is_ignored(index):
+    """A digest with an older sequence of the same epoch does not resurrect evicted blocks."""
+    index.apply_digest(digest("a", PROMPT[:2], 5))
+    assert index.apply_digest(digest("a", PROMPT, 4)) is False
+    assert index.match(PROMPT, 0.0) == {"a": 2}
+
+
+def test_new_epoch_is_applied_even_with_lower_sequence(index):
+    """A restarted engine (new epoch) starts its sequence over and is still applied."""
+    index.apply_digest(digest("a", PROMPT, 9, epoch=1))
+    assert index.apply_digest(digest("a", PROMPT[:1], 1, epoch=2)) is True
+    assert index.match(PROMPT, 0.0) == {"a": 1}
+
+
+def test_routing_history_attracts_before_first_digest(index):
+    """Blocks routed to a replica count as held there before any digest arrives."""
+    index.on_routed("a", PROMPT[:6], now_s=100.0)
+    assert index.match(PROMPT, now_s=100.5) == {"a": 6}
+
+
+def test_routing_history_decays_after_ttl(index):
+    """Unconfirmed routing history stops matching once the TTL has passed."""
+    index.on_routed("a", PROMPT, now_s=100.0)
+    assert index.match(PROMPT, now_s=100.0 + TTL_S - 0.01) == {"a": 8}
+    assert index.match(PROMPT, now_s=100.0 + TTL_S) == {}
+    index.expire(now_s=100.0 + TTL_S)
+    assert index.num_routed_blocks == 0
+
+
+def test_routing_history_confirmed_by_digest_outlives_ttl(index):
+    """A block routed and then reported by the engine keeps matching after the history TTL."""
+    index.on_routed("a", PROMPT, now_s=0.0)
+    index.apply_digest(digest("a", PROMPT[:4]))
+    index.expire(now_s=TTL_S + 1)
+    assert index.match(PROMPT, now_s=TTL_S + 1) == {"a": 4}
+
+
+def test_rerouting_refreshes_the_ttl(index):
+    """Routing the same prefix again extends its expiry; the older queue item does not delete it."""
+    index.on_routed("a", PROMPT, now_s=0.0)
+    index.on_routed("a", PROMPT, now_s=5.0)
+    index.expire(now_s=TTL_S + 1)
+    assert index.match(PROMPT, now_s=TTL_S + 1) == {"a": 8}
+
+
+def test_history_and_engine_truth_merge(index):
+    """Engine truth on one replica and routing history on another both count."""
+    index.apply_digest(digest("a", PROMPT[:3]))
+    index.on_routed("b", PROMPT, now_s=0.0)
+    assert index.match(PROMPT, now_s=1.0) == {"a": 3, "b": 8}
+
+
+def test_all_cleared_wipes_a_replica(index):
+    """An all_cleared digest drops the replica's engine set and its routing history."""
+    index.apply_digest(digest("a", PROMPT, 1))
+    index.on_routed("a", OTHER, now_s=0.0)
+    index.apply_digest(digest("a", [], 2, all_cleared=True))
+    assert index.match(PROMPT, 1.0) == {}
+    assert index.match(OTHER, 1.0) == {}
+
+
+def test_remove_replica_forgets_everything(index):
+    """remove_replica drops both sources for that replica and leaves others intact."""
+    index.apply_digest(digest("a", PROMPT))
+    index.apply_digest(digest("b", PROMPT[:2]))
+    index.on_routed("a", OTHER, now_s=0.0)
+    index.remove_replica("a")
+    assert index.match(PROMPT, 1.0) == {"b": 2}
+    assert index.match(OTHER, 1.0) == {}
+    assert set(index.replicas()) == {"b"}
+
+
+def test_digest_round_trips_compactly():
+    """A digest pickles to ~8 bytes per block and decodes to the same hash set."""
+    hashes = [BlockHash(h) for h in range(0, 2 ** 64 - 1, 2 ** 50)]
+    d = CacheDigest.from_hashes("a", 1, 1, hashes)
+    assert d.num_blocks == len(hashes)
+    assert pickle.loads(pickle.dumps(d)).hashes() == frozenset(hashes)
+    assert len(pickle.dumps(d)) < 8 * len(hashes) + 300
+
+
+def test_ttl_must_be_positive():
+    """A zero TTL is rejected: routing history would never count."""
+    with pytest.raises(ValueError, match="history_ttl_s"):
+        PrefixIndex(history_ttl_s=0)

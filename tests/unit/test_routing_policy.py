@@ -1,0 +1,139 @@
+"""prefix_aware policy: affinity by estimated cost, bounded by a load guard, random ties."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from deployments.routing.block_hash import block_hashes
+from deployments.routing.policy import RoutingTunables, rank_replicas
+from deployments.routing.prefix_index import PrefixIndex
+from deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
+
+BS = 32
+PROMPT = block_hashes(list(range(64 * BS)), BS)  # 64 blocks, 2,048 tokens
+TUNE = RoutingTunables()
+
+
+def snaps(**loads: int) -> list[ReplicaSnapshot]:
+    return [ReplicaSnapshot(rid, num_ongoing_requests=n) for rid, n in loads.items()]
+
+
+def index_with(**held: int) -> PrefixIndex:
+    """An index where replica r's engine holds the first held[r] blocks of PROMPT."""
+    index = PrefixIndex(TUNE.history_ttl_s)
+    for rid, n in held.items():
+        index.apply_digest(CacheDigest.from_hashes(rid, 1, 1, PROMPT[:n]))
+    return index
+
+
+def decide(snapshots, index, hashes=PROMPT, tunables=TUNE, seed=0, now_s=0.0):
+    return rank_replicas(hashes, BS, snapshots, index, tunables, random.Random(seed), now_s=now_s)
+
+
+@pytest.mark.parametrize("loads, held, best, outcome", [
+    # affinity: the holder wins at equal load
+    ({"a": 0, "b": 0, "c": 0}, {"b": 64}, "b", "cache_hit"),
+    # affinity survives a small queue difference (2,048 cached tokens ≈ 8 queued requests)
+    ({"a": 0, "b": 3}, {"b": 64}, "b", "cache_hit"),
+    # longest prefix wins over a shorter one at equal load
+    ({"a": 1, "b": 1}, {"a": 10, "b": 40}, "b", "cache_hit"),
+    # queue cost outweighs a short cached prefix: load moves it, labelled as such
+    ({"a": 0, "b": 3}, {"b": 2}, "a", "load_fallback"),
+    # no match anywhere: least loaded
+    ({"a": 5, "b": 1, "c": 3}, {}, "b", "no_match"),
+])
+def test_pick_table(loads, held, best, outcome):
+    """The first-ranked replica and outcome label for load/affinity combinations."""
+    d = decide(snaps(**loads), index_with(**held))
+    assert (d.ranked[0], d.outcome) == (best, outcome)
+    assert sorted(d.ranked) == sorted(loads)
+
+
+def test_affinity_yields_to_load_guard():
+    """A replica holding the whole prefix but over factor × mean + slack ranks after every replica under it."""
+    loads = {"a": 20, "b": 10, "c": 10}  # mean 13.3 → limit 18.7
+    d = decide(snaps(**loads), index_with(a=64))
+    assert d.ranked[-1] == "a"
+    assert d.outcome == "load_fallback" and d.matched_tokens == 0
+
+
+def test_load_guard_is_strict_even_with_huge_affinity_weight():
+    """Even when cached tokens dwarf queue cost, an over-guard replica is never first."""
+    tune = RoutingTunables(tokens_per_queued_request=0.001)
+    d = decide(snaps(a=9, b=1), index_with(a=64), tunables=tune)  # mean 5 → limit 8.25
+    assert d.ranked == ["b", "a"]
+
+
+def test_kv_full_replica_counts_as_over_guard():
+    """A replica whose KV cache is at the usage guard loses its affinity to one that has room."""
+    snapshots = [ReplicaSnapshot("a", 0, kv_usage_perc=0.97), ReplicaSnapshot("b", 0, kv_usage_perc=0.2)]
+    assert decide(snapshots, index_with(a=64)).ranked == ["b", "a"]
+
+
+def test_engine_queue_counts_as_load():
+    """Engine-reported running+waiting counts when it exceeds the router's own in-flight count."""
+    snapshots = [ReplicaSnapshot("a", 0, num_running=8, num_waiting=8), ReplicaSnapshot("b", 1)]
+    assert decide(snapshots, index_with()).ranked[0] == "b"
+
+
+def test_evicted_blocks_stop_attracting():
+    """After a digest without the prefix, the former holder gets no affinity (least loaded wins)."""
+    index = index_with(a=64)
+    index.apply_digest(CacheDigest.from_hashes("a", 1, 2, []))
+    d = decide(snaps(a=1, b=0), index)
+    assert (d.ranked[0], d.outcome) == ("b", "no_match")
+
+
+def test_routing_history_attracts_then_decays():
+    """A prefix routed to a replica attracts the next request before any digest, and not after the TTL."""
+    index = index_with()
+    index.on_routed("b", PROMPT, now_s=50.0)
+    assert decide(snaps(a=0, b=1), index, now_s=51.0).ranked[0] == "b"
+    later = 50.0 + TUNE.history_ttl_s + 1
+    d = decide(snaps(a=0, b=1), index, now_s=later)
+    assert (d.ranked[0], d.outcome) == ("a", "no_match")
+
+
+def test_ties_are_random_and_both_chosen():
+    """Equal replicas are picked at random by the injected rng: over many draws each wins often."""
+    rng = random.Random(7)
+    index = index_with()
+    wins = Counter(rank_replicas(PROMPT, BS, snaps(a=2, b=2), index, TUNE, rng, now_s=0.0).ranked[0]
+                   for _ in range(400))
+    assert set(wins) == {"a", "b"} and min(wins.values()) > 150
+
+
+def test_seeded_rng_is_deterministic():
+    """The same seed gives the same ranking (reproducible benchmarks and tests)."""
+    s = snaps(a=0, b=0, c=0, d=0)
+    assert decide(s, index_with(), seed=3).ranked == decide(s, index_with(), seed=3).ranked
+
+
+def test_replicas_outside_snapshots_are_ignored():
+    """A replica known to the index but absent from the snapshots is never ranked nor counted as best match."""
+    d = decide(snaps(a=0, b=0), index_with(gone=64, a=4))
+    assert "gone" not in d.ranked and d.outcome == "cache_hit" and d.matched_tokens == 4 * BS
+
+
+def test_empty_snapshots_give_empty_ranking():
+    """No replicas: an empty ranking, not an exception (the adapter waits and retries)."""
+    assert decide([], index_with()).ranked == []
+
+
+def test_short_prompt_without_full_block_is_least_loaded():
+    """A prompt shorter than one block has no hashes and goes to the least loaded replica."""
+    d = decide(snaps(a=3, b=0), index_with(a=64), hashes=[])
+    assert (d.ranked[0], d.outcome) == ("b", "no_match")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("load_guard_factor", 0.9), ("load_guard_slack", -1.0), ("tokens_per_queued_request", -1.0),
+    ("kv_usage_guard_perc", 0.0), ("history_ttl_s", 0.0),
+])
+def test_tunables_reject_values_that_break_the_guard(field, value):
+    """Tunables that could leave no replica under the guard (or make no sense) are rejected by name."""
+    with pytest.raises(ValueError, match=field):
+        RoutingTunables(**{field: value})
