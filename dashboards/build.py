@@ -1,0 +1,306 @@
+"""kvtide's Grafana dashboards as code, and the generator of every committed artifact.
+
+    python -m dashboards.build      # rewrites dashboards/generated/, the chart's copies, docs/metrics.md
+
+Four dashboards, each answering one SRE question:
+
+    kvtide-overview   are we meeting the SLOs?  TTFT/ITL/e2e p50/p90/p99, req/s, tokens/s, errors, replicas
+    kvtide-routing    is the cache working?     prefix-cache hit rate per replica, load imbalance, router
+    kvtide-capacity   do we need more engines?  KV usage, waiting, preemptions, replicas, the KV autoscaler
+    kvtide-engine     what is this replica doing?  every engine signal, one row per `$replica`
+
+Template variables (the same on every dashboard):
+
+    datasource  a Prometheus data source
+    namespace   Kubernetes namespace; the PodMonitor adds `namespace`, a local cluster has none.
+                "All" is the regex .*, which also matches series WITHOUT the label, so one
+                dashboard serves both.
+    cluster     Ray's `SessionName`: the one label that identifies a Ray cluster both locally
+                and on Kubernetes (Ray's agent stamps it on every series; `pod`/`namespace`
+                exist only under the PodMonitor). A RayService upgrade starts a new Ray
+                cluster and so a new SessionName; "All" (the default) keeps history across
+                upgrades, picking one isolates a single cluster's lifetime.
+    model       the served model name (`model` on ingress series, `model_name` on vLLM's;
+                the catalog says which label each family uses).
+    replica     (engine dashboard) vLLM's `ReplicaId`, the Ray Serve replica id.
+
+Panels that need metrics not exported yet (router decisions, admission) are declared
+with `optional(requires=...)`: they appear once their metric is added to the catalog.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from dashboards.catalog import ENGINE_DEPLOYMENT, REPO_ROOT
+from dashboards.panels import (
+    DashboardSpec,
+    PanelSpec,
+    Query,
+    RowSpec,
+    VariableSpec,
+    optional,
+    render,
+)
+from dashboards.promql import Selectors, quantile, rate_sum
+
+GENERATED_DIR = REPO_ROOT / "dashboards" / "generated"
+CHART_DASHBOARDS_DIR = REPO_ROOT / "helm" / "kvtide" / "dashboards"
+W = "$__rate_interval"
+QUANTILES = ((0.5, "p50"), (0.9, "p90"), (0.99, "p99"))
+
+BASE = 'namespace=~"$namespace",SessionName=~"$cluster"'
+S = Selectors(base=BASE, model="$model")  # every dashboard query selects through this
+ANCHOR = "ray_vllm_num_requests_running"  # always present once an engine runs: variables list from it
+ENGINE = {"deployment": ENGINE_DEPLOYMENT}
+AUTOSCALER_NEEDS = "engine autoscaling on"
+
+VARIABLES = (
+    VariableSpec("namespace", "Namespace", f"label_values({ANCHOR}, namespace)"),
+    VariableSpec("cluster", "Ray cluster (SessionName)", f'label_values({ANCHOR}{{namespace=~"$namespace"}}, SessionName)'),
+    VariableSpec("model", "Model", f"label_values({ANCHOR}{{{BASE}}}, model_name)"),
+)
+
+
+def _quantiles(sel: Selectors, name: str, by: str = "") -> tuple[Query, ...]:
+    prefix = "{{" + by + "}} " if by else ""
+    return tuple(Query(quantile(q, sel, name, by, W), f"{prefix}{label}") for q, label in QUANTILES)
+
+
+def _share(sel: Selectors, status_regex: str) -> str:
+    """Share of ingress requests whose status matches; 0 (not "No data") while none did."""
+    total = rate_sum(sel, "ray_kvtide_requests_total", W)
+    part = rate_sum(sel, "ray_kvtide_requests_total", W, status=status_regex)
+    return f"({part} or {total} * 0) / {total}"
+
+
+def _per_replica_rate(sel: Selectors, name: str) -> str:
+    return rate_sum(sel, name, W, by="ReplicaId")
+
+
+def _preemptions(sel: Selectors) -> str:
+    # vLLM creates the counter at the first preemption: until then show 0 per replica.
+    return (f"{_per_replica_rate(sel, 'ray_vllm_num_preemptions_total')} "
+            f"or sum by (ReplicaId) ({sel('ray_vllm_num_requests_running')}) * 0")
+
+
+def _hit_rate(sel: Selectors, by: str) -> str:
+    grouping = f" by ({by})" if by else ""
+    hits = f"sum{grouping} (rate({sel('ray_vllm_prefix_cache_hits_total')}[{W}]))"
+    queries = f"sum{grouping} (rate({sel('ray_vllm_prefix_cache_queries_total')}[{W}]))"
+    return f"({hits} or {queries} * 0) / {queries}"
+
+
+def _replicas_panel() -> PanelSpec:
+    return PanelSpec(
+        "Engine replicas", (
+            Query(f"sum({S('ray_serve_deployment_replica_healthy', **ENGINE)})", "healthy"),
+            Query(f"max({S('ray_serve_autoscaling_target_replicas', **ENGINE)})", "target"),
+        ),
+        unit="short", description="Healthy engine replicas (Serve health checks) against Serve's target count.",
+        preview=True)
+
+
+# --- the dashboards ----------------------------------------------------------------------
+
+
+def overview() -> DashboardSpec:
+    requests = "ray_kvtide_requests_total"
+    slo = RowSpec("Service level (measured at the ingress)", (
+        PanelSpec("Requests / s", (Query(rate_sum(S, requests, W)),), unit="reqps", kind="stat", width=6, height=4),
+        PanelSpec("Output tokens / s", (Query(rate_sum(S, "ray_kvtide_output_tokens_total", W)),),
+                  unit="short", kind="stat", width=6, height=4),
+        PanelSpec("5xx share", (Query(_share(S, "5..")),), unit="percentunit", kind="stat", width=6, height=4),
+        PanelSpec("TTFT p99", (Query(quantile(0.99, S, "ray_kvtide_time_to_first_token_seconds", "", W)),),
+                  unit="s", kind="stat", width=6, height=4),
+        PanelSpec("Time to first token", _quantiles(S, "ray_kvtide_time_to_first_token_seconds"), unit="s", width=8,
+                  description="Arrival at the ingress to the first output token.", preview=True),
+        PanelSpec("Inter-token latency", _quantiles(S, "ray_kvtide_inter_token_latency_seconds"), unit="s", width=8,
+                  description="Gap between output tokens of streamed requests, per token.", preview=True),
+        PanelSpec("End-to-end latency", _quantiles(S, "ray_kvtide_e2e_latency_seconds"), unit="s", width=8,
+                  description="Arrival at the ingress to the last byte.", preview=True),
+    ))
+    traffic = RowSpec("Traffic", (
+        PanelSpec("Requests / s by endpoint and status",
+                  (Query(rate_sum(S, requests, W, by="endpoint, status"), "{{endpoint}} {{status}}"),),
+                  unit="reqps", width=8, preview=True),
+        PanelSpec("Tokens / s", (
+            Query(rate_sum(S, "ray_kvtide_prompt_tokens_total", W), "prompt"),
+            Query(rate_sum(S, "ray_kvtide_output_tokens_total", W), "output"),
+        ), unit="short", width=8, preview=True),
+        PanelSpec("Error share", (Query(_share(S, "5.."), "5xx"), Query(_share(S, "4.."), "4xx")),
+                  unit="percentunit", width=8, description="Share of finished requests by status class; "
+                  "503 also counts streams the engine failed mid-way (sent as HTTP 200).", preview=True),
+    ))
+    replicas = RowSpec("Replicas", (
+        _replicas_panel(),
+        PanelSpec("Serve HTTP requests / s by status code",
+                  (Query(rate_sum(S, "ray_serve_num_http_requests_total", W, by="status_code"), "{{status_code}}"),),
+                  unit="reqps", description="What Ray Serve's HTTP layer answered, health probes included."),
+    ))
+    return DashboardSpec("kvtide-overview", "kvtide / Overview",
+                         "SLOs of the OpenAI endpoint: latency percentiles, throughput, errors, replicas.",
+                         VARIABLES, (slo, traffic, replicas))
+
+
+def routing() -> DashboardSpec:
+    running = S("ray_vllm_num_requests_running")
+    waiting = S("ray_vllm_num_requests_waiting")
+    in_flight = f"sum by (ReplicaId) ({running}) + sum by (ReplicaId) ({waiting})"
+    prompt_rate = _per_replica_rate(S, "ray_vllm_prompt_tokens_total")
+    cache = RowSpec("Prefix cache", (
+        PanelSpec("Prefix-cache hit rate per replica", (Query(_hit_rate(S, "ReplicaId"), "{{ReplicaId}}"),),
+                  unit="percentunit", max=1, width=16, preview=True,
+                  description="Prompt tokens found in the replica's prefix cache / tokens looked up. "
+                              "Prefix-aware routing raises it; a drop after a scale-up is expected."),
+        PanelSpec("Prefix-cache hit rate (all replicas)", (Query(_hit_rate(S, "")),),
+                  unit="percentunit", kind="stat", width=8),
+    ))
+    balance = RowSpec("Balance", (
+        PanelSpec("Prompt tokens / s per replica", (Query(prompt_rate, "{{ReplicaId}}"),),
+                  unit="short", width=8, preview=True),
+        PanelSpec("Load imbalance (busiest / mean prompt tokens/s)",
+                  (Query(f"max({prompt_rate}) / clamp_min(avg({prompt_rate}), 1e-9)"),),
+                  unit="short", width=8, preview=True,
+                  description="1 = perfectly even; 2 = the busiest replica prefills twice the mean. "
+                              "Cache affinity trades some balance for hits; load guards cap it."),
+        PanelSpec("Requests in flight per replica", (Query(in_flight, "{{ReplicaId}}"),),
+                  unit="short", width=8, preview=True),
+    ))
+    router = RowSpec("Router", (
+        *optional(("ray_kvtide_router_decisions_total",), lambda: PanelSpec(
+            "Routing decisions / s by outcome",
+            (Query(rate_sum(S, "ray_kvtide_router_decisions_total", W, by="outcome"), "{{outcome}}"),),
+            unit="ops")),
+        *optional(("ray_kvtide_router_matched_tokens",), lambda: PanelSpec(
+            "Matched prefix tokens per decision",
+            _quantiles(S, "ray_kvtide_router_matched_tokens"), unit="short")),
+        *optional(("ray_kvtide_router_decision_latency_seconds",), lambda: PanelSpec(
+            "Routing decision latency", _quantiles(S, "ray_kvtide_router_decision_latency_seconds"), unit="s")),
+    ))
+    return DashboardSpec("kvtide-routing", "kvtide / Routing & cache",
+                         "Whether prefix-aware routing pays: cache hit rate per replica and the balance it costs.",
+                         VARIABLES, (cache, balance, router))
+
+
+def capacity() -> DashboardSpec:
+    auto = {"deployment": ENGINE_DEPLOYMENT}
+    kv = RowSpec("KV cache and queues", (
+        PanelSpec("KV-cache usage per replica", (Query(f"max by (ReplicaId) ({S('ray_vllm_kv_cache_usage_perc')})",
+                                                       "{{ReplicaId}}"),),
+                  unit="percentunit", max=1, width=8, preview=True,
+                  description="Blocks held by running requests. Near 1 the engine preempts and queues."),
+        PanelSpec("Requests waiting per replica", (Query(f"sum by (ReplicaId) ({S('ray_vllm_num_requests_waiting')})",
+                                                         "{{ReplicaId}}"),), unit="short", width=8, preview=True),
+        PanelSpec("Preemptions / s per replica", (Query(_preemptions(S), "{{ReplicaId}}"),), unit="short", width=8,
+                  preview=True, description="Requests evicted to free KV blocks, recomputed later: wasted compute."),
+        PanelSpec("Requests running per replica", (Query(f"sum by (ReplicaId) ({S('ray_vllm_num_requests_running')})",
+                                                         "{{ReplicaId}}"),), unit="short", width=8),
+        PanelSpec("Engine queue time", _quantiles(S, "ray_vllm_request_queue_time_seconds"), unit="s", width=8),
+        PanelSpec("Requests queued at the engine handle",
+                  (Query(f"sum({S('ray_serve_deployment_queued_queries', **auto)})", "queued"),), unit="short",
+                  width=8, description="Requests the ingress holds because every replica is at max_ongoing_requests."),
+    ))
+    replicas = RowSpec("Replicas and the KV autoscaler", (
+        _replicas_panel(),
+        PanelSpec("KV autoscaler: replicas", (
+            Query(f"max({S('ray_kvtide_autoscaler_desired_replicas', **auto)})", "desired"),
+            Query(f"max({S('ray_kvtide_autoscaler_running_replicas', **auto)})", "running"),
+            Query(f"max({S('ray_kvtide_autoscaler_starting_replicas', **auto)})", "starting"),
+        ), unit="short", no_value="autoscaling off", needs=AUTOSCALER_NEEDS),
+        PanelSpec("KV autoscaler: inputs", (
+            Query(f"max({S('ray_kvtide_autoscaler_kv_usage_perc', **auto)})", "mean KV usage"),
+            Query(f"max({S('ray_kvtide_autoscaler_num_waiting', **auto)})", "waiting"),
+        ), unit="short", no_value="autoscaling off", needs=AUTOSCALER_NEEDS),
+        PanelSpec("KV autoscaler: decisions / s by reason",
+                  (Query(rate_sum(S, "ray_kvtide_autoscaler_decisions_total", W, by="reason", **auto), "{{reason}}"),),
+                  unit="ops", no_value="autoscaling off", needs=AUTOSCALER_NEEDS,
+                  description="'bounds' means the law wanted to move past min/max_replicas."),
+    ))
+    return DashboardSpec("kvtide-capacity", "kvtide / Capacity & autoscaling",
+                         "Is there room for more load: KV usage, queues, preemptions, replica counts.",
+                         VARIABLES, (kv, replicas))
+
+
+def engine() -> DashboardSpec:
+    sel = Selectors(base=BASE, model="$model", extra={"ReplicaId": "$replica"})
+    replica_var = VariableSpec(
+        "replica", "Replica", f'label_values({ANCHOR}{{{BASE},model_name=~"$model"}}, ReplicaId)', all_value=None)
+    row = RowSpec("Replica $replica", (
+        PanelSpec("KV-cache usage", (Query(f"max({sel('ray_vllm_kv_cache_usage_perc')})", "KV usage"),),
+                  unit="percentunit", max=1, width=8, preview=True),
+        PanelSpec("Requests running / waiting", (
+            Query(f"sum({sel('ray_vllm_num_requests_running')})", "running"),
+            Query(f"sum({sel('ray_vllm_num_requests_waiting')})", "waiting"),
+        ), unit="short", width=8, preview=True),
+        PanelSpec("Tokens / s", (
+            Query(rate_sum(sel, "ray_vllm_prompt_tokens_total", W), "prompt"),
+            Query(rate_sum(sel, "ray_vllm_generation_tokens_total", W), "generation"),
+        ), unit="short", width=8, preview=True),
+        PanelSpec("Engine time to first token", _quantiles(sel, "ray_vllm_time_to_first_token_seconds"),
+                  unit="s", width=8, preview=True),
+        PanelSpec("Engine inter-token latency", _quantiles(sel, "ray_vllm_inter_token_latency_seconds"),
+                  unit="s", width=8, preview=True),
+        PanelSpec("Engine request latency", _quantiles(sel, "ray_vllm_e2e_request_latency_seconds"),
+                  unit="s", width=8),
+        PanelSpec("Prefix-cache hit rate", (Query(_hit_rate(sel, ""), "hit rate"),), unit="percentunit", max=1,
+                  width=8, preview=True),
+        PanelSpec("Preemptions / s", (Query(f"sum({_preemptions(sel)})", "preemptions"),), unit="short", width=8),
+        PanelSpec("Finished requests / s by reason",
+                  (Query(rate_sum(sel, "ray_vllm_request_success_total", W, by="finished_reason"),
+                         "{{finished_reason}}"),), unit="reqps", width=8),
+    ), repeat="replica")
+    return DashboardSpec("kvtide-engine", "kvtide / Engine detail",
+                         "One row per engine replica (vLLM's own view): KV, batch, latency, cache, preemptions.",
+                         (*VARIABLES, replica_var), (row,))
+
+
+def dashboard_specs() -> tuple[DashboardSpec, ...]:
+    """Every dashboard, rows without panels (an optional section not yet enabled) dropped."""
+    specs = (overview(), routing(), capacity(), engine())
+    return tuple(
+        DashboardSpec(s.uid, s.title, s.description, s.variables, tuple(r for r in s.rows if r.panels), s.tags)
+        for s in specs
+    )
+
+
+def build_all() -> dict[str, dict[str, Any]]:
+    """File name → Grafana dashboard JSON model."""
+    return {f"{spec.uid}.json": render(spec) for spec in dashboard_specs()}
+
+
+def to_text(dashboard: dict[str, Any]) -> str:
+    return json.dumps(dashboard, indent=2, sort_keys=True) + "\n"
+
+
+def write_dashboards(directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, dashboard in build_all().items():
+        path = directory / name
+        path.write_text(to_text(dashboard))
+        paths.append(path)
+    return paths
+
+
+def generate() -> list[Path]:
+    """Rewrite every committed artifact: dashboards (both copies), alert rules, docs/metrics.md."""
+    from dashboards import alerts, docs
+
+    for stale in [*GENERATED_DIR.glob("*.json"), *CHART_DASHBOARDS_DIR.glob("*.json")]:
+        stale.unlink()
+    generated = write_dashboards(GENERATED_DIR)
+    copies = [Path(shutil.copyfile(path, CHART_DASHBOARDS_DIR / path.name)) for path in generated]
+    written = [*generated, *copies, *alerts.write_rules()]
+    written.append(docs.write_metrics_md())
+    return written
+
+
+if __name__ == "__main__":
+    for path in generate():
+        print(path.relative_to(REPO_ROOT))
+    sys.exit(0)

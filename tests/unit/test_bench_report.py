@@ -1,0 +1,157 @@
+"""Benchmark report: percentiles, the exact run-JSON keys, Prometheus parsing, imbalance, comparison table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.report import (
+    RUN_KEYS,
+    MetricsSample,
+    RequestResult,
+    build_run_report,
+    compare_markdown,
+    imbalance,
+    metrics_delta,
+    parse_metrics,
+    percentile,
+    summarize,
+)
+
+# Shaped like Ray's metrics agent output for two kvtide engine replicas (vLLM's Ray stat
+# logger adds ReplicaId), plus series that must be ignored.
+RAY_TEXT = """\
+# HELP ray_vllm_prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE ray_vllm_prefix_cache_hits_total counter
+ray_vllm_prefix_cache_hits_total{ReplicaId="r1",engine="0",model_name="kvtide-demo",Component="core_worker"} 600.0
+ray_vllm_prefix_cache_hits_total{ReplicaId="r2",engine="0",model_name="kvtide-demo",Component="core_worker"} 200.0
+# HELP ray_vllm_prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE ray_vllm_prefix_cache_queries_total counter
+ray_vllm_prefix_cache_queries_total{ReplicaId="r1",engine="0",model_name="kvtide-demo"} 1000.0
+ray_vllm_prefix_cache_queries_total{ReplicaId="r2",engine="0",model_name="kvtide-demo"} 1000.0
+# HELP ray_vllm_request_success_total Count of successfully processed requests.
+# TYPE ray_vllm_request_success_total counter
+ray_vllm_request_success_total{ReplicaId="r1",engine="0",finished_reason="length",model_name="kvtide-demo"} 30.0
+ray_vllm_request_success_total{ReplicaId="r1",engine="0",finished_reason="stop",model_name="kvtide-demo"} 2.0
+ray_vllm_request_success_total{ReplicaId="r2",engine="0",finished_reason="length",model_name="kvtide-demo"} 16.0
+# HELP ray_kvtide_requests_total Finished requests by HTTP status.
+# TYPE ray_kvtide_requests_total counter
+ray_kvtide_requests_total{endpoint="chat",model="kvtide-demo",status="200"} 48.0
+"""
+
+# A bare `vllm serve`: colon names, no replica label.
+VLLM_TEXT = """\
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 90.0
+vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0
+# TYPE vllm:request_success counter
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 7.0
+"""
+
+
+def ok(ttft: float, e2e: float, itl=(0.01, 0.03), tokens: int = 3, start: float = 0.0) -> RequestResult:
+    return RequestResult(ok=True, start_s=start, e2e_s=e2e, ttft_s=ttft, itl_s=tuple(itl), num_output_tokens=tokens)
+
+
+@pytest.mark.parametrize("samples, p, expected", [
+    ([5.0], 99, 5.0),
+    ([1.0, 2.0, 3.0, 4.0], 50, 2.5),
+    ([1.0, 2.0, 3.0, 4.0, 5.0], 90, 4.6),
+    ([3.0, 1.0, 2.0], 0, 1.0),
+    ([3.0, 1.0, 2.0], 100, 3.0),
+    (list(range(101)), 99, 99.0),
+])
+def test_percentile_interpolates_linearly(samples, p, expected):
+    """percentile matches numpy's default linear interpolation on unsorted input."""
+    assert percentile(samples, p) == pytest.approx(expected)
+
+
+def test_percentile_rejects_empty_and_out_of_range():
+    """No samples or p outside 0..100 is an error, not a silent 0."""
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_summarize_has_stat_keys_and_nulls_when_empty():
+    """summarize gives p50/p90/p99/mean, all null for no samples."""
+    assert summarize([]) == {"p50": None, "p90": None, "p99": None, "mean": None}
+    assert summarize([1.0, 3.0])["mean"] == 2.0
+
+
+def test_run_json_has_exactly_the_keys():
+    """The run JSON has exactly RUN_KEYS in order, and round-trips through json."""
+    report = build_run_report(workload="shared-prefix", policy=None, results=[ok(0.1, 1.0)], duration_s=2.0,
+                              metrics=None)
+    assert list(report) == list(RUN_KEYS) == [
+        "workload", "policy", "num_requests", "num_errors", "duration_s", "requests_per_s", "output_tokens_per_s",
+        "ttft_s", "itl_s", "e2e_s", "prefix_cache_hit_rate", "requests_per_replica", "imbalance"]
+    assert json.loads(json.dumps(report)) == report
+    assert set(report["ttft_s"]) == {"p50", "p90", "p99", "mean"}
+
+
+def test_run_json_numbers():
+    """Errors are counted but excluded from rates and latencies; ITL pools every gap."""
+    results = [ok(0.1, 1.0, tokens=10), ok(0.3, 2.0, tokens=20),
+               RequestResult(ok=False, start_s=0.0, e2e_s=0.5, error="HTTP 503")]
+    r = build_run_report(workload="random", policy="pow2", results=results, duration_s=4.0, metrics=None)
+    assert (r["num_requests"], r["num_errors"]) == (3, 1)
+    assert r["requests_per_s"] == 0.5 and r["output_tokens_per_s"] == 7.5
+    assert r["ttft_s"]["p50"] == pytest.approx(0.2) and r["e2e_s"]["mean"] == pytest.approx(1.5)
+    assert r["itl_s"]["mean"] == pytest.approx(0.02)
+    assert (r["prefix_cache_hit_rate"], r["requests_per_replica"], r["imbalance"]) == (None, {}, None)
+
+
+def test_parse_ray_metrics_sums_cache_and_groups_by_replica():
+    """Ray-exported vLLM series: cache counters summed over replicas, successes grouped by ReplicaId."""
+    m = parse_metrics(RAY_TEXT)
+    assert (m.prefix_cache_hits, m.prefix_cache_queries) == (800.0, 2000.0)
+    assert m.requests_by_replica == {"r1": 32.0, "r2": 16.0}
+
+
+def test_parse_bare_vllm_metrics():
+    """Bare vLLM's colon-named series parse too, its one engine under the key 'vllm'; _created is ignored."""
+    m = parse_metrics(VLLM_TEXT)
+    assert (m.prefix_cache_hits, m.prefix_cache_queries) == (90.0, 100.0)
+    assert m.requests_by_replica == {"vllm": 7.0}
+
+
+def test_metrics_delta_counts_only_the_run():
+    """The report uses after − before; a replica that appeared during the run counts from zero."""
+    before = MetricsSample(100.0, 400.0, {"r1": 10.0})
+    after = parse_metrics(RAY_TEXT)
+    d = metrics_delta(before, after)
+    assert (d.prefix_cache_hits, d.prefix_cache_queries) == (700.0, 1600.0)
+    assert d.requests_by_replica == {"r1": 22.0, "r2": 16.0}
+    assert metrics_delta(None, after) is None
+
+
+def test_hit_rate_and_imbalance_from_metrics():
+    """Hit rate is Δhits/Δqueries and imbalance is max/mean of requests per replica."""
+    delta = MetricsSample(300.0, 1200.0, {"r1": 30.0, "r2": 10.0})
+    r = build_run_report(workload="w", policy="p", results=[ok(0.1, 1.0)], duration_s=1.0, metrics=delta)
+    assert r["prefix_cache_hit_rate"] == 0.25
+    assert r["requests_per_replica"] == {"r1": 30, "r2": 10}
+    assert r["imbalance"] == 1.5
+
+
+@pytest.mark.parametrize("counts, expected", [({}, None), ({"a": 5}, 1.0), ({"a": 2, "b": 2}, 1.0),
+                                              ({"a": 3, "b": 1}, 1.5), ({"a": 0, "b": 0}, None)])
+def test_imbalance_table(counts, expected):
+    """imbalance = max/mean; null when there is nothing to compare."""
+    assert imbalance(counts) == expected
+
+
+def test_compare_markdown_has_ratios_vs_pow2():
+    """The comparison table lists every policy and ratios against pow2."""
+    fast = build_run_report(workload="w", policy="prefix_aware", results=[ok(0.1, 1.0)], duration_s=1.0,
+                            metrics=MetricsSample(90.0, 100.0, {"a": 1.0}))
+    slow = build_run_report(workload="w", policy="pow2", results=[ok(0.4, 1.0)], duration_s=1.0,
+                            metrics=MetricsSample(30.0, 100.0, {"a": 1.0}))
+    md = compare_markdown({"pow2": slow, "prefix_aware": fast})
+    assert "| prefix_aware | 0.25× |" in md and "| pow2 | 1.00× |" in md
+    assert "3.00×" in md  # hit rate 0.9 vs 0.3
