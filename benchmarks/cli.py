@@ -138,20 +138,24 @@ async def _settled_after(client: httpx.AsyncClient, metrics_url: str | None, bef
     return after
 
 
-async def _warmup(base_url: str, model: str | None, endpoint: str, count: int) -> None:
+async def _warmup(base_url: str, model: str | None, endpoint: str, count: int) -> int:
+    """Send `count` short unrelated requests (first-request costs stay out of the run); returns the successes."""
     if count <= 0:
-        return
+        return 0
     warm = build_workload("random", make_params("random", num_requests=count, input_len=64, output_len=8), seed=-1)
-    await run_load(base_url, warm.requests, concurrency=min(count, 4), duration_s=120.0, model=model,
-                   endpoint=endpoint, progress=False)
+    load = await run_load(base_url, warm.requests, concurrency=min(count, 4), duration_s=120.0, model=model,
+                          endpoint=endpoint, progress=False)
+    return sum(r.ok for r in load.results)
 
 
 async def bench_once(base_url: str, metrics_url: str | None, workload: Workload, policy: str | None,
                      args: argparse.Namespace, model: str | None = None) -> tuple[dict[str, Any], LoadResult]:
     """Warm up, scrape, run the workload, scrape again after the counters settle; the run JSON and raw results."""
-    await _warmup(base_url, model, args.endpoint, args.warmup)
     async with httpx.AsyncClient(timeout=10.0) as client:
-        before = await scrape(client, metrics_url)
+        # The export lags: "before" must already include the warm-up, or it counts in the run.
+        initial = await scrape(client, metrics_url)
+        num_warm_ok = await _warmup(base_url, model, args.endpoint, args.warmup)
+        before = await _settled_after(client, metrics_url, initial, num_warm_ok, args.metrics_settle)
         load = await run_load(base_url, workload.requests, duration_s=args.duration, rate=args.rate,
                               concurrency=args.concurrency, model=model, endpoint=args.endpoint, seed=args.seed,
                               request_timeout_s=args.request_timeout, progress=not args.no_progress)

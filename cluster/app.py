@@ -12,6 +12,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from autoscaling.ray_policy import autoscaling_config
 from cluster.config import DEMO_MODEL, KvtideConfig, config_to_dict, parse_config
 from cluster.placement import REPLICA_ACTOR_CPUS, placement_bundles
 from deployments.engine import EngineReplica
@@ -36,11 +37,8 @@ def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
         "graceful_shutdown_timeout_s": 30,
     }
     if config.replicas.autoscaling:
-        options["autoscaling_config"] = {
-            "min_replicas": config.replicas.min_replicas,
-            "max_replicas": config.replicas.max_replicas,
-            "initial_replicas": config.replicas.initial_replicas,
-        }
+        options["autoscaling_config"] = autoscaling_config(
+            config.autoscaling, config.replicas.min_replicas, config.replicas.max_replicas)
     else:
         options["num_replicas"] = config.replicas.num_replicas
     return options

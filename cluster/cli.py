@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     sc_p = sub.add_parser("serve-config", help="print the Ray Serve config YAML (for `serve deploy`)")
     _add_config_flags(sc_p)
     sc_p.set_defaults(func=cmd_serve_config)
+
+    from autoscaling.cli import register as register_plan
+
+    register_plan(sub)
     return parser
 
 

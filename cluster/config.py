@@ -9,6 +9,7 @@ overrides are dotted paths (`engine.max_model_len=2048`).
     ├── model, served_model_name
     ├── engine     EngineConfig     vLLM engine arguments that kvtide exposes
     ├── replicas   ReplicasConfig   fixed count, or min/max for autoscaling
+    ├── autoscaling AutoscalingSettings  KV-utilization law (autoscaling.config), used with min/max
     ├── resources  ResourcesConfig  device kind and CPUs per tensor-parallel worker
     ├── routing    RoutingConfig    request-router policy name
     ├── ingress    IngressConfig    OpenAI ingress replicas and request limits
@@ -27,6 +28,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from autoscaling.config import AutoscalingSettings
 
 # The demo model's name in configs; resolved to its local cache dir by cluster.demo_model.
 DEMO_MODEL = "demo"
@@ -155,6 +158,7 @@ class KvtideConfig(_Strict):
     served_model_name: str | None = Field(None, description="Name clients send as `model`; default: the model's.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
+    autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)

@@ -23,6 +23,8 @@ from ray.util import metrics
 from cluster.config import KvtideConfig, parse_config
 from cluster.demo_model import resolve_model
 from cluster.placement import cpu_threads_bind, engine_kwargs
+from autoscaling.ray_policy import replica_autoscaling_stats
+from deployments.engine_stats import EngineLoad, load_logger_factory
 from deployments.messages import GenerateDelta, GenerateRequest
 
 logger = logging.getLogger("kvtide.engine")
@@ -50,7 +52,9 @@ class EngineReplica:
             )
         kwargs = engine_kwargs(self.config, resolve_model(self.config.model))
         logger.info("starting vLLM engine: %s (bind=%s)", kwargs, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[RayPrometheusStatLogger])
+        self.load = EngineLoad()
+        self.engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**kwargs), stat_loggers=[RayPrometheusStatLogger, load_logger_factory(self.load)])
         # vLLM's request_success counter does not count aborts; kvtide does.
         self.aborted_requests = metrics.Counter(
             "kvtide_engine_aborted_requests", "Requests aborted in the engine because the caller went away.",
@@ -93,6 +97,12 @@ class EngineReplica:
     async def ready(self) -> bool:
         """Cheap call the ingress uses for /ready: answered only by a running replica."""
         return not self.engine.errored
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve pulls this for the KV autoscaling policy (autoscaling.ray_policy)."""
+        load = self.load
+        return replica_autoscaling_stats(load.kv_usage_perc, load.num_waiting, load.num_running,
+                                         load.num_preemptions_total)
 
     async def check_health(self) -> None:
         # Raises EngineDeadError once the engine core died: Serve then restarts the replica.

@@ -417,11 +417,12 @@ def test_alert_rules_select_this_release_and_keep_prometheus_templates() -> None
     """files/alerts.yaml's KVTIDE_SELECTOR becomes this release's job; {{ $labels }} survives Helm."""
     (rule,) = by_kind(render({}), "PrometheusRule")
     alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
-    assert {"KvtideNoReadyReplicas", "KvtideHighHttpErrorRate"} <= alerts.keys()
-    assert f'up{{job="{NAMESPACE}/{FULLNAME}"}}' in alerts["KvtideNoReadyReplicas"]["expr"]
-    assert "ray_serve_num_http_error_requests_total" in alerts["KvtideHighHttpErrorRate"]["expr"]
+    assert {"KvtideNoReadyReplicas", "KvtideHighServerErrorRate"} <= alerts.keys()
+    job = f'job="{NAMESPACE}/{FULLNAME}"'
+    assert f'ray_serve_deployment_replica_healthy{{{job},deployment="Engine"}}' in alerts["KvtideNoReadyReplicas"]["expr"]
+    assert f'ray_kvtide_requests_total{{{job},status=~"5.."}}' in alerts["KvtideHighServerErrorRate"]["expr"]
     assert "KVTIDE_SELECTOR" not in json.dumps(rule)
-    assert "{{ $labels.job }}" in alerts["KvtideNoReadyReplicas"]["annotations"]["description"]
+    assert "{{ $labels.model }}" in alerts["KvtideHighServerErrorRate"]["annotations"]["description"]
 
 
 def test_one_dashboard_configmap_per_json_file() -> None:
