@@ -47,7 +47,13 @@ def _request_tokens(rng: random.Random, num_blocks: int, block_size: int, num_pr
     return prompt + history + fresh
 
 
-def run(args: argparse.Namespace) -> dict:
+def _loads(rng: random.Random, replicas: list[str]) -> list[ReplicaSnapshot]:
+    # Loads around a mean of 8 in flight per replica, spread like a busy but healthy fleet.
+    return [ReplicaSnapshot(r, max(0, round(rng.gauss(8, 3)))) for r in replicas]
+
+
+def build_state(args: argparse.Namespace) -> tuple[PrefixIndex, list[list[BlockHash]], list[str], float, random.Random]:
+    """A warmed index (engine digests + routing history), the request pool, replica ids, the clock, the rng."""
     rng = random.Random(args.seed)
     tunables = RoutingTunables()
     index = PrefixIndex(tunables.history_ttl_s)
@@ -55,22 +61,29 @@ def run(args: argparse.Namespace) -> dict:
     step_s = 1.0 / args.rate
 
     # Warm-up traffic: route, and keep what each engine would hold.
-    held: dict[str, list[BlockHash]] = defaultdict(list)
+    held: dict[str, dict[BlockHash, None]] = defaultdict(dict)  # insertion-ordered sets
     now_s = 0.0
     requests = [block_hashes(_request_tokens(rng, args.blocks_per_request, args.block_size, 256, 4096),
                              args.block_size) for _ in range(args.pool)]
     num_held = 0
     while num_held < args.indexed_blocks:
         hashes = requests[rng.randrange(len(requests))]
-        snapshots = [ReplicaSnapshot(r, rng.randrange(0, 24)) for r in replicas]
+        snapshots = _loads(rng, replicas)
         rid = rank_replicas(hashes, args.block_size, snapshots, index, tunables, rng, now_s=now_s).ranked[0]
         index.on_routed(rid, hashes, now_s)
         before = len(held[rid])
-        held[rid] = list(dict.fromkeys(held[rid] + hashes))
+        held[rid].update(dict.fromkeys(hashes))
         num_held += len(held[rid]) - before
         now_s += step_s
     for seq, rid in enumerate(replicas):
         index.apply_digest(CacheDigest.from_hashes(rid, 1, seq + 1, held[rid]))
+    return index, requests, replicas, now_s, rng
+
+
+def run(args: argparse.Namespace) -> dict:
+    index, requests, replicas, now_s, rng = build_state(args)
+    tunables = RoutingTunables()
+    step_s = 1.0 / args.rate
 
     # Timed decisions.
     rank_ns, routed_ns, hash_ns, outcomes = [], [], [], defaultdict(int)
@@ -78,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
     gc.collect()
     for i in range(args.decisions):
         hashes = requests[rng.randrange(len(requests))]
-        snapshots = [ReplicaSnapshot(r, rng.randrange(0, 24)) for r in replicas]
+        snapshots = _loads(rng, replicas)
         t0 = time.perf_counter_ns()
         decision = rank_replicas(hashes, args.block_size, snapshots, index, tunables, rng, now_s=now_s)
         t1 = time.perf_counter_ns()
@@ -103,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
         "block_hashes_2048_tokens_us": us(hash_ns),
         "outcomes": dict(outcomes),
         "engine_blocks_indexed": index.num_engine_blocks,
-        "held_blocks_total": sum(len(v) for v in held.values()),
+        "held_blocks_total": index.num_held_blocks,
         "routed_blocks_indexed": index.num_routed_blocks,
     }
 

@@ -11,12 +11,14 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from autoscaling.ray_policy import autoscaling_config
 from cluster.config import DEMO_MODEL, KvtideConfig, config_to_dict, parse_config
 from cluster.placement import REPLICA_ACTOR_CPUS, placement_bundles
 from deployments.engine import EngineReplica
 from deployments.ingress import Ingress
+from deployments.router import PrefixAwareRouter, RoundRobinRouter
 
 ENGINE_DEPLOYMENT = "Engine"
 INGRESS_DEPLOYMENT = "Ingress"
@@ -35,6 +37,7 @@ def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
         "health_check_timeout_s": 30,
         # A vLLM engine on a cold node may take minutes to load weights.
         "graceful_shutdown_timeout_s": 30,
+        "request_router_config": request_router_config(config),
     }
     if config.replicas.autoscaling:
         options["autoscaling_config"] = autoscaling_config(
@@ -42,6 +45,41 @@ def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
     else:
         options["num_replicas"] = config.replicas.num_replicas
     return options
+
+
+# Ray Serve LLM's documented settings for its prefix-aware router (the ray_prefix baseline).
+RAY_PREFIX_ROUTER_KWARGS = {
+    "imbalanced_threshold": 5,
+    "match_rate_threshold": 0.15,
+    "do_eviction": True,
+    "eviction_threshold_chars": 500_000,
+    "eviction_target_chars": 400_000,
+    "eviction_interval_secs": 30,
+}
+
+
+def request_router_config(config: KvtideConfig) -> RequestRouterConfig | None:
+    """The engine deployment's router for `routing.policy` (None: Ray's default pow2)."""
+    routing = config.routing
+    if routing.policy == "pow2":
+        return RequestRouterConfig(request_routing_stats_period_s=routing.stats_period_s)
+    if routing.policy == "round_robin":
+        return RequestRouterConfig(request_router_class=RoundRobinRouter,
+                                   request_routing_stats_period_s=routing.stats_period_s)
+    if routing.policy == "ray_prefix":
+        return RequestRouterConfig(request_router_class="ray.serve.llm.request_router:PrefixCacheAffinityRouter",
+                                   request_router_kwargs=RAY_PREFIX_ROUTER_KWARGS,
+                                   request_routing_stats_period_s=routing.stats_period_s)
+    kwargs = {
+        "block_size": config.engine.block_size,
+        "tokens_per_queued_request": routing.tokens_per_queued_request,
+        "load_guard_factor": routing.load_guard_factor,
+        "load_guard_slack": routing.load_guard_slack,
+        "kv_usage_guard_perc": routing.kv_usage_guard_perc,
+        "history_ttl_s": routing.history_ttl_s,
+    }
+    return RequestRouterConfig(request_router_class=PrefixAwareRouter, request_router_kwargs=kwargs,
+                               request_routing_stats_period_s=routing.stats_period_s)
 
 
 def build_from_config(config: KvtideConfig) -> Application:

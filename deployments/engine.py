@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import AsyncIterator
+import time
+from typing import Any, AsyncIterator
 
 from ray import serve
 from ray.util import metrics
@@ -25,9 +26,18 @@ from cluster.demo_model import resolve_model
 from cluster.placement import cpu_threads_bind, engine_kwargs
 from autoscaling.ray_policy import replica_autoscaling_stats
 from deployments.engine_stats import EngineLoad, load_logger_factory
+from deployments.kv_cache_tracker import KvCacheTracker
+from deployments.kv_events import KvEventListener, new_ipc_endpoint
 from deployments.messages import GenerateDelta, GenerateRequest
 
 logger = logging.getLogger("kvtide.engine")
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Serve (unit use): any stable name will do
+        return f"local-{os.getpid()}"
 
 
 def _replica_rank() -> int:
@@ -51,6 +61,18 @@ class EngineReplica:
                 _replica_rank(), self.config.engine.tensor_parallel_size, sorted(os.sched_getaffinity(0))
             )
         kwargs = engine_kwargs(self.config, resolve_model(self.config.model))
+        # Cache truth for the router: vLLM publishes KV events on a per-replica IPC socket,
+        # a listener thread folds them into a block set in kvtide hashes.
+        self.kv_listener: KvEventListener | None = None
+        if self.config.engine.enable_prefix_caching:
+            from vllm.config import KVEventsConfig
+
+            endpoint = new_ipc_endpoint()
+            tracker = KvCacheTracker(_replica_id(), epoch=time.time_ns(), block_size=self.config.engine.block_size)
+            self.kv_listener = KvEventListener(endpoint, tracker)
+            self.kv_listener.start()
+            kwargs["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv")
         logger.info("starting vLLM engine: %s (bind=%s)", kwargs, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
         self.load = EngineLoad()
         self.engine = AsyncLLM.from_engine_args(
@@ -98,6 +120,19 @@ class EngineReplica:
         """Cheap call the ingress uses for /ready: answered only by a running replica."""
         return not self.engine.errored
 
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve pulls this every `request_routing_stats_period_s` for the routers."""
+        load = self.load
+        stats: dict[str, Any] = {
+            "num_running": load.num_running,
+            "num_waiting": load.num_waiting,
+            "kv_usage_perc": load.kv_usage_perc,
+            "block_size": self.config.engine.block_size,
+        }
+        if self.kv_listener is not None:
+            stats["digest"] = self.kv_listener.digest(time.time())
+        return stats
+
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve pulls this for the KV autoscaling policy (autoscaling.ray_policy)."""
         load = self.load
@@ -112,3 +147,6 @@ class EngineReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        listener = getattr(self, "kv_listener", None)
+        if listener is not None:
+            listener.stop()

@@ -29,6 +29,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster.config import KvtideConfig, parse_config
 from deployments.ingress_metrics import IngressMetrics
 from deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec
+from deployments.routing.block_hash import block_hashes
 from deployments.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -88,6 +89,9 @@ class Ingress:
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.vocab_size = len(self.tokenizer)
         self.metrics = IngressMetrics()
+        self.block_size = self.config.engine.block_size
+        self.routing_policy = self.config.routing.policy
+        self.hash_blocks = self.routing_policy == "prefix_aware"
 
     # ---- plumbing ---------------------------------------------------------------
 
@@ -169,7 +173,10 @@ class Ingress:
         started_s = time.perf_counter()
         rid_prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         rid = f"{rid_prefix}-{uuid.uuid4().hex}"
-        gen_req = GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=self._sampling(req, max_tokens))
+        gen_req = GenerateRequest(
+            request_id=rid, prompt_token_ids=prompt_ids, sampling=self._sampling(req, max_tokens),
+            block_hashes=tuple(block_hashes(prompt_ids, self.block_size)) if self.hash_blocks else (),
+            prompt=self.tokenizer.decode(prompt_ids) if self.routing_policy == "ray_prefix" else None)
         tags = {"model": self.model_name, "endpoint": endpoint}
         self.metrics.prompt_tokens.inc(len(prompt_ids), tags)
         if req.stream:

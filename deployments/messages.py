@@ -27,6 +27,12 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingSpec
+    # Chained hashes of the prompt's full KV blocks (deployments.routing.block_hash),
+    # computed once at the ingress; the prefix-aware router matches on them.
+    block_hashes: tuple[int, ...] = ()
+    # The rendered prompt text, only for the ray_prefix baseline router (Ray Serve LLM's
+    # PrefixCacheAffinityRouter matches characters of an argument's `prompt`).
+    prompt: str | None = None
 
 
 @dataclass

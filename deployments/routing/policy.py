@@ -26,7 +26,8 @@ Consequences, each pinned by a unit test:
   `block_size × blocks / tokens_per_queued_request` requests of queue.
 - Exact ties (equal cost) are broken by the injected rng, so equal replicas share load.
 - `limit >= mean >= min(load)` when factor >= 1 and slack >= 0, so at least one replica
-  is always under the guard; the tunables' validation enforces those bounds.
+  is always under the load guard; the tunables' validation enforces those bounds. (The
+  KV guard can mark every replica; then all rank by cost alone, still load-aware.)
 
 Outcome label (for the router's metrics):
 - "no_match":      no replica holds even the first block of the request.

@@ -123,7 +123,7 @@ class PrefixIndex:
     # ---- lookup ----------------------------------------------------------------------
 
     def holders(self, block_hash: BlockHash, now_s: float) -> frozenset[str] | set[str]:
-        """Replicas holding one block at `now_s`: engine truth plus unexpired routing history."""
+        """Replicas holding one block at `now_s`: engine truth plus unexpired routing history (read-only)."""
         engine = self._engine.get(block_hash)
         owners = self._routed.get(block_hash)
         if not owners:
@@ -134,9 +134,10 @@ class PrefixIndex:
     def match(self, hashes: Sequence[BlockHash], now_s: float) -> dict[str, int]:
         """Longest cached prefix per replica, in blocks; replicas matching nothing are absent.
 
-        One walk over the request's hashes, narrowing the candidates: a replica drops out
-        at the first block it lacks (vLLM reuses a prefix only up to its first miss), and
-        the walk stops when no candidate is left. O(len(hashes) × candidates).
+        One walk over the request's hashes, narrowing the candidates: the holders of the
+        first block start it, a replica drops out at the first block it lacks (vLLM reuses
+        a prefix only up to its first miss), and the walk stops when no candidate is left.
+        O(len(hashes) × candidates), each step a set and a dict membership test.
         """
         if not hashes:
             return {}
@@ -168,6 +169,11 @@ class PrefixIndex:
     def num_engine_blocks(self) -> int:
         """Distinct block hashes some replica's engine reported holding."""
         return len(self._engine)
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks held summed over replicas (a block on two replicas counts twice)."""
+        return sum(len(blocks) for blocks in self._engine_blocks.values())
 
     @property
     def num_routed_blocks(self) -> int:

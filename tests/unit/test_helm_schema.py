@@ -55,7 +55,7 @@ def test_schema_kvtide_subtree_follows_the_model() -> None:
     assert set(kvtide["properties"]) == set(KvtideConfig.model_fields)
     policy = kvtide["properties"]["routing"]["properties"]["policy"]
     # pydantic writes a one-value Literal as `const`, several as `enum`.
-    assert policy.get("enum", [policy.get("const")]) == ["pow2"]
+    assert policy.get("enum", [policy.get("const")]) == ["prefix_aware", "pow2", "round_robin", "ray_prefix"]
 
 
 def _leaf_fields(model: type[BaseModel], prefix: str = "") -> Iterator[str]:

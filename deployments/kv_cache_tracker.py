@@ -1,0 +1,89 @@
+"""Which KV blocks one engine holds, rebuilt from vLLM's own KV events (cache truth).
+
+vLLM names blocks by its own hashes (salted per process, so no other process can
+recompute them). The router names blocks by kvtide's chained hashes of token ids
+(`deployments.routing.block_hash`). This tracker translates: a `BlockStored` event
+carries the tokens of its blocks and the vLLM hash of the parent block, so each stored
+block's kvtide hash is `chain_hash(kvtide_hash(parent), tokens)`.
+
+    vLLM event                       tracker state
+    BlockStored(parent, tokens, hs)  vllm_to_ours[h_i] = chain(ours(parent), tokens_i); held += ours
+    BlockRemoved(hs)                 held -= vllm_to_ours.pop(h)
+    AllBlocksCleared                 held = {}, vllm_to_ours = {}; remember "cleared"
+
+Pure (no ZMQ, no Ray): `deployments.kv_events` feeds it decoded events.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from deployments.routing.block_hash import BlockHash, chain_hash
+from deployments.routing.snapshot import CacheDigest
+
+
+class KvCacheTracker:
+    """Block set of one engine replica, in kvtide hashes; digested for `record_routing_stats`."""
+
+    def __init__(self, replica_id: str, epoch: int, block_size: int):
+        self.replica_id = replica_id
+        self.epoch = epoch
+        self.block_size = block_size
+        self._vllm_to_ours: dict[Any, BlockHash] = {}
+        # A hash can be stored by two vLLM blocks (same prefix recomputed): count holders.
+        self._held: dict[BlockHash, int] = {}
+        self._cleared_since_digest = False
+        self._sequence = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._held)
+
+    def on_stored(self, vllm_hashes: Iterable[Any], parent_vllm_hash: Any | None, token_ids: list[int]) -> None:
+        parent = self._vllm_to_ours.get(parent_vllm_hash) if parent_vllm_hash is not None else None
+        if parent_vllm_hash is not None and parent is None:
+            # The parent was stored before we subscribed (or is unknown): the chain
+            # cannot be named in kvtide hashes, so these blocks are not advertised.
+            return
+        bs = self.block_size
+        for i, vllm_hash in enumerate(vllm_hashes):
+            tokens = token_ids[i * bs:(i + 1) * bs]
+            if len(tokens) < bs:
+                break
+            ours = chain_hash(parent, tokens)
+            if self._vllm_to_ours.get(vllm_hash) != ours:
+                self._vllm_to_ours[vllm_hash] = ours
+                self._held[ours] = self._held.get(ours, 0) + 1
+            parent = ours
+
+    def on_removed(self, vllm_hashes: Iterable[Any]) -> None:
+        for vllm_hash in vllm_hashes:
+            ours = self._vllm_to_ours.pop(vllm_hash, None)
+            if ours is None:
+                continue
+            left = self._held.get(ours, 0) - 1
+            if left > 0:
+                self._held[ours] = left
+            else:
+                self._held.pop(ours, None)
+
+    def on_all_cleared(self) -> None:
+        self._vllm_to_ours.clear()
+        self._held.clear()
+        self._cleared_since_digest = True
+
+    def apply(self, event: Any) -> None:
+        """Apply one decoded vLLM KV event (BlockStored / BlockRemoved / AllBlocksCleared)."""
+        kind = type(event).__name__
+        if kind == "BlockStored":
+            self.on_stored(event.block_hashes, event.parent_block_hash, list(event.token_ids))
+        elif kind == "BlockRemoved":
+            self.on_removed(event.block_hashes)
+        elif kind == "AllBlocksCleared":
+            self.on_all_cleared()
+
+    def digest(self, now_s: float) -> CacheDigest:
+        self._sequence += 1
+        cleared, self._cleared_since_digest = self._cleared_since_digest, False
+        return CacheDigest.from_hashes(self.replica_id, self.epoch, self._sequence, self._held,
+                                       all_cleared=cleared, timestamp_s=now_s)

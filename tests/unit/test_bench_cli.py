@@ -1,0 +1,50 @@
+"""`kvtide bench` argument wiring: subcommands, workload flags, early config validation."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks.cli import register, workload_from_args
+from cluster.config import ConfigError
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvtide")
+    register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def test_run_parses_workload_and_open_loop_flags():
+    """bench run takes a URL, a workload with scaled params, a rate, a duration and an output file."""
+    args = parse(["bench", "run", "--url", "http://127.0.0.1:8000", "--workload", "shared-prefix",
+                  "--num-groups", "2", "--prompts-per-group", "3", "--rate", "4", "--duration", "5", "--out", "x.json"])
+    w = workload_from_args(args)
+    assert (args.rate, args.concurrency, args.duration) == (4.0, None, 5.0)
+    assert len(w.requests) == 6 and w.params.system_prompt_len == 2048
+
+
+def test_rate_and_concurrency_are_exclusive_and_one_is_required():
+    """Exactly one of --rate / --concurrency must be given."""
+    base = ["bench", "run", "--url", "u", "--workload", "random", "--out", "x"]
+    with pytest.raises(SystemExit):
+        parse(base)
+    with pytest.raises(SystemExit):
+        parse(base + ["--rate", "1", "--concurrency", "2"])
+
+
+def test_max_requests_caps_the_workload():
+    """--max-requests keeps only the first N requests of the workload."""
+    args = parse(["bench", "run", "--url", "u", "--workload", "random", "--num-requests", "50", "--max-requests", "7",
+                  "--concurrency", "1", "--out", "x"])
+    assert len(workload_from_args(args).requests) == 7
+
+
+def test_compare_rejects_unknown_policy_before_starting_anything(tmp_path):
+    """An unknown routing policy fails config validation with the field named, before any cluster starts."""
+    args = parse(["bench", "compare", "--policies", "pow2,no_such_policy", "--workload", "random",
+                  "--concurrency", "1", "--out", str(tmp_path)])
+    with pytest.raises(ConfigError, match="routing.policy"):
+        args.func(args)
+    assert not any(tmp_path.iterdir())
