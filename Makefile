@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 TORCH_INDEX_FLAG := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 PYTEST_ARGS ?=
 
-.PHONY: serve test unit install clean
+.PHONY: serve test unit install clean prometheus
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,10 +30,16 @@ serve: $(STAMP)
 	$(BIN)/kvtide demo-model
 	$(BIN)/kvtide serve $(if $(CONFIG),--config $(CONFIG),)
 
-test: $(STAMP)
+# promtool (alert rule tests) and prometheus (the observability test scrapes a real
+# cluster) come from Debian's prometheus package.
+prometheus:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null)
+
+test: $(STAMP) prometheus
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-unit: $(STAMP)
+unit: $(STAMP) prometheus
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 clean:

@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=60.0, help="per concurrency level, seconds")
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--port", type=int, default=8300, help="HTTP port for each server in turn")
-    parser.add_argument("--metrics-port", type=int, default=8380, help="kvtide's Ray metrics port")
+    parser.add_argument("--port", type=int, default=8250, help="HTTP port for each server in turn")
+    parser.add_argument("--metrics-port", type=int, default=8290, help="kvtide's Ray metrics port")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--out", help="Markdown report path")
     args = parser.parse_args(argv)
@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown servers {sorted(unknown)}; choose from {SERVERS}")
     results: dict[str, dict[int, dict[str, Any]]] = {}
+    failed: dict[str, str] = {}
     log_dir = Path(tempfile.gettempdir())
     for server in servers:
         print(f"overhead: starting {server} ...", flush=True)
@@ -212,14 +213,20 @@ def main(argv: list[str] | None = None) -> int:
             ctx = serve_vllm(kwargs, args.port, log_dir / "overhead-vllm.log")
         else:
             ctx = serve_ray_llm(kwargs, args.port)
-        with ctx as base_url:
-            results[server] = measure(base_url, config.model_name, args)
+        try:
+            with ctx as base_url:
+                results[server] = measure(base_url, config.model_name, args)
+        except Exception as exc:  # one server failing to start must not lose the others' numbers
+            print(f"overhead: {server} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            failed[server] = f"{type(exc).__name__}: {exc}"[:300]
     command = ".venv/bin/python -m benchmarks.overhead " + shlex.join(argv if argv is not None else sys.argv[1:])
     text = markdown(results, args, command)
+    if failed:
+        text += "\nFailed to run: " + "; ".join(f"{k}: {v}" for k, v in failed.items()) + "\n"
     print(text)
     if args.out:
         Path(args.out).write_text(text)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

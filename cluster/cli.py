@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     from autoscaling.cli import register as register_plan
 
     register_plan(sub)
+
+    from dashboards.cli import register as register_dashboards
+
+    register_dashboards(sub)
     return parser
 
 

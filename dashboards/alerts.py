@@ -13,7 +13,7 @@ so no rule can silently watch a series that does not exist; `promtool test rules
 a good one.
 
 Rules that need metrics not exported yet declare `requires`; they are emitted once every
-required name is in the catalog (`catalog.has`). Router load-fallback is such a rule.
+required name is in the catalog (`catalog.has`), as router load-fallback was.
 
 Autoscaler pinned at max: Serve's `serve_autoscaling_target_replicas` carries no max, and
 kvtide's control law clamps to its bounds before Serve sees its answer (Serve's own
@@ -175,14 +175,15 @@ def all_rules(sel: Selectors, slo: Slo = Slo()) -> list[AlertRule]:
         ),
         AlertRule(
             "KvtideRouterLoadFallbackHigh", "kvtide.routing",
-            signal=(f"{rate_sum(sel, 'ray_kvtide_router_decisions_total', '5m', by='model', outcome='load_fallback')}"
-                    f" / {rate_sum(sel, 'ray_kvtide_router_decisions_total', '5m', by='model')}")
+            signal=(f"({rate_sum(sel, 'ray_kvtide_router_decisions_total', '5m', by='policy', outcome='load_fallback')}"
+                    f" or {rate_sum(sel, 'ray_kvtide_router_decisions_total', '5m', by='policy')} * 0)"
+                    f" / {rate_sum(sel, 'ray_kvtide_router_decisions_total', '5m', by='policy')}")
             if has("ray_kvtide_router_decisions_total") else "",
             condition=f"{{signal}} > {slo.router_fallback_ratio}",
             for_="30m", severity="warning",
             summary="Most kvtide routing decisions fall back to load-only",
-            description="{{ $value | humanizePercentage }} of routing decisions ignored cache affinity "
-                        "because the preferred replica was overloaded.",
+            description="{{ $value | humanizePercentage }} of {{ $labels.policy }} routing decisions ignored "
+                        "cache affinity because the preferred replica was overloaded.",
             runbook="Replicas with the cached prefixes are saturated: add replicas or review the router's "
                     "load guard.",
             requires=("ray_kvtide_router_decisions_total",),

@@ -174,11 +174,12 @@ def routing() -> DashboardSpec:
     router = RowSpec("Router", (
         *optional(("ray_kvtide_router_decisions_total",), lambda: PanelSpec(
             "Routing decisions / s by outcome",
-            (Query(rate_sum(S, "ray_kvtide_router_decisions_total", W, by="outcome"), "{{outcome}}"),),
+            (Query(rate_sum(S, "ray_kvtide_router_decisions_total", W, by="policy, outcome"),
+                   "{{policy}} {{outcome}}"),),
             unit="ops")),
-        *optional(("ray_kvtide_router_matched_tokens",), lambda: PanelSpec(
+        *optional(("ray_kvtide_router_matched_prefix_tokens",), lambda: PanelSpec(
             "Matched prefix tokens per decision",
-            _quantiles(S, "ray_kvtide_router_matched_tokens"), unit="short")),
+            _quantiles(S, "ray_kvtide_router_matched_prefix_tokens"), unit="short", preview=True)),
         *optional(("ray_kvtide_router_decision_latency_seconds",), lambda: PanelSpec(
             "Routing decision latency", _quantiles(S, "ray_kvtide_router_decision_latency_seconds"), unit="s")),
     ))

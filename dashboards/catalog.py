@@ -12,7 +12,7 @@ hold the list to the truth:
 - kvtide's own series (`ray_kvtide_*`) are listed exhaustively: a test fails if code
   exports one the catalog lacks, or the catalog lists one no code exports. So a metric
   that does not exist yet (admission rejections, router decisions) is NOT listed; adding
-  it once it is exported is one `Metric(...)` entry below, and the panels and alert
+  it once it is exported is one `Metric(...)` entry below (router metrics came so), and the panels and alert
   rules that `requires` it switch on by themselves (see `has()`).
 - vLLM's and Ray Serve's series are the subset kvtide relies on; a unit test checks each
   name against the installed vLLM / Ray sources, the integration test against a scrape.
@@ -51,7 +51,7 @@ class Source(str, enum.Enum):
     """Who exports the series; the docs group by it."""
 
     INGRESS = "ingress"  # deployments/ingress_metrics.py
-    ROUTER = "router"  # deployments/routing (none exported yet)
+    ROUTER = "router"  # deployments/router.py
     AUTOSCALER = "autoscaler"  # autoscaling/metrics.py
     ENGINE = "engine"  # the engine replica: vLLM through vllm.v1.metrics.ray_wrappers, and kvtide's own
     SERVE = "serve"  # Ray Serve's controller, proxy and replicas
@@ -88,6 +88,7 @@ _I, _R, _A, _E, _S = Source.INGRESS, Source.ROUTER, Source.AUTOSCALER, Source.EN
 _C, _G, _H = Kind.COUNTER, Kind.GAUGE, Kind.HISTOGRAM
 _ING = ("model", "endpoint")
 _AUTO = ("deployment", "application")
+ROUTER_ON = "a kvtide request router (routing.policy prefix_aware or round_robin) and one request"
 AUTOSCALING_ON = "engine autoscaling on (replicas.min_replicas/max_replicas) and one controller tick"
 
 CATALOG: tuple[Metric, ...] = (
@@ -106,7 +107,13 @@ CATALOG: tuple[Metric, ...] = (
     Metric("ray_kvtide_engine_aborted_requests_total", _C, _E, ("model",), "requests",
            "Requests aborted inside the engine because the caller went away (vLLM does not count aborts).",
            "model", needs="a first abort (client disconnect mid-request)"),
-    # --- router (deployments/routing): none exported yet; add entries here when they are ---
+    # --- router (deployments/router.py; in each ingress replica's process) ---------------------
+    Metric("ray_kvtide_router_decisions_total", _C, _R, ("policy", "outcome"), "decisions",
+           "Routing decisions by policy and outcome (cache_hit, load_fallback, no_match).", needs=ROUTER_ON),
+    Metric("ray_kvtide_router_matched_prefix_tokens", _H, _R, ("policy",), "tokens",
+           "Cached prefix tokens on the chosen replica, per decision.", needs=ROUTER_ON),
+    Metric("ray_kvtide_router_decision_latency_seconds", _H, _R, ("policy",), "s",
+           "Time to rank replicas for one request.", needs=ROUTER_ON),
     # --- autoscaler (autoscaling/metrics.py) ----------------------------------------------
     Metric("ray_kvtide_autoscaler_desired_replicas", _G, _A, _AUTO, "replicas",
            "Engine replicas the KV autoscaler wants (running + starting), after bounds.", needs=AUTOSCALING_ON),

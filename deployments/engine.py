@@ -56,6 +56,7 @@ class EngineReplica:
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         self.config: KvtideConfig = parse_config(config_dict)
+        self.replica_id = _replica_id()
         if self.config.resources.device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(
                 _replica_rank(), self.config.engine.tensor_parallel_size, sorted(os.sched_getaffinity(0))
@@ -68,7 +69,7 @@ class EngineReplica:
             from vllm.config import KVEventsConfig
 
             endpoint = new_ipc_endpoint()
-            tracker = KvCacheTracker(_replica_id(), epoch=time.time_ns(), block_size=self.config.engine.block_size)
+            tracker = KvCacheTracker(self.replica_id, epoch=time.time_ns(), block_size=self.config.engine.block_size)
             self.kv_listener = KvEventListener(endpoint, tracker)
             self.kv_listener.start()
             kwargs["kv_events_config"] = KVEventsConfig(
@@ -109,6 +110,7 @@ class EngineReplica:
                     num_prompt_tokens=len(request.prompt_token_ids),
                     num_cached_tokens=out.num_cached_tokens or 0,
                     finish_reason=completion.finish_reason if out.finished else None,
+                    replica_id=self.replica_id,
                 )
         except asyncio.CancelledError:
             # The caller went away (client disconnect, timeout). AsyncLLM.generate has

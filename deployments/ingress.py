@@ -203,9 +203,10 @@ class Ingress:
         created = now_s()
         full = "".join(text)
         finish = last.finish_reason if last else None
+        headers = {"x-kvtide-replica": last.replica_id} if last else None
         if endpoint == "chat":
-            return JSONResponse(chat_response(rid, self.model_name, created, full, finish, usage))
-        return JSONResponse(completion_response(rid, self.model_name, created, full, finish, usage))
+            return JSONResponse(chat_response(rid, self.model_name, created, full, finish, usage), headers=headers)
+        return JSONResponse(completion_response(rid, self.model_name, created, full, finish, usage), headers=headers)
 
     async def _stream(self, endpoint: str, rid: str, gen_req: GenerateRequest, include_usage: bool,
                       started_s: float) -> AsyncIterator[bytes]:

@@ -46,3 +46,5 @@ class GenerateDelta:
     finish_reason: str | None = None
     # Filled on the last delta only: True if the engine ended the request on an error.
     error: str | None = field(default=None)
+    # Which engine replica served it (surfaced as the x-kvtide-replica response header).
+    replica_id: str = ""

@@ -28,7 +28,7 @@ from deployments.routing.prefix_index import PrefixIndex
 from deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
 
 DECISION_LATENCY_BUCKETS_S = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2]
-MATCHED_TOKENS_BUCKETS = [0, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+MATCHED_TOKENS_BUCKETS = [1, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 
 
 class RouterMetrics:

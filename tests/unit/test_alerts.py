@@ -84,11 +84,13 @@ CASES: dict[str, tuple[list[dict[str, str]], dict[str, str], list[dict[str, str]
          {"series": f"ray_kvtide_autoscaler_num_waiting{{{ENG}}}", "values": "0x50"}],
     ),
     "KvtideRouterLoadFallbackHigh": (
-        [{"series": f'ray_kvtide_router_decisions_total{{{M},outcome="load_fallback"}}', "values": "0+90x50"},
-         {"series": f'ray_kvtide_router_decisions_total{{{M},outcome="prefix_hit"}}', "values": "0+10x50"}],
-        {"model": "demo"},
-        [{"series": f'ray_kvtide_router_decisions_total{{{M},outcome="load_fallback"}}', "values": "0+10x50"},
-         {"series": f'ray_kvtide_router_decisions_total{{{M},outcome="prefix_hit"}}', "values": "0+90x50"}],
+        [{"series": 'ray_kvtide_router_decisions_total{policy="prefix_aware",outcome="load_fallback"}',
+          "values": "0+90x50"},
+         {"series": 'ray_kvtide_router_decisions_total{policy="prefix_aware",outcome="cache_hit"}', "values": "0+10x50"}],
+        {"policy": "prefix_aware"},
+        [{"series": 'ray_kvtide_router_decisions_total{policy="prefix_aware",outcome="load_fallback"}',
+          "values": "0+10x50"},
+         {"series": 'ray_kvtide_router_decisions_total{policy="prefix_aware",outcome="cache_hit"}', "values": "0+90x50"}],
     ),
 }
 EVAL_TIME = "40m"  # past every rule's `for` plus its window

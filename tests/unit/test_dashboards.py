@@ -90,5 +90,5 @@ def test_router_panels_wait_for_router_metrics() -> None:
 
     rows = [p["title"] for p in BUILT["kvtide-routing.json"]["panels"] if p["type"] == "row"]
     assert ("Router" in rows) == any(has(n) for n in ("ray_kvtide_router_decisions_total",
-                                                      "ray_kvtide_router_matched_tokens",
+                                                      "ray_kvtide_router_matched_prefix_tokens",
                                                       "ray_kvtide_router_decision_latency_seconds"))
