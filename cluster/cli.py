@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     from dashboards.cli import register as register_dashboards
 
     register_dashboards(sub)
+
+    from benchmarks.cli import register as register_bench
+
+    register_bench(sub)
     return parser
 
 

@@ -30,7 +30,10 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def cluster_config():
     return load_config(REPO / "cluster/configs/cpu.yaml",
-                       [f"http.port={HTTP_PORT}", f"metrics.port={METRICS_PORT}"])
+                       [f"http.port={HTTP_PORT}", f"metrics.port={METRICS_PORT}",
+                        # Two ingress replicas, each with its own router: they must agree on
+                        # placement through the engines' cache digests.
+                        "ingress.num_replicas=2"])
 
 
 @pytest.fixture(scope="session")
