@@ -39,7 +39,8 @@ def cluster_config():
 @pytest.fixture(scope="session")
 def cluster(cluster_config):
     # Logical CPUs beyond the main app: the TP=2 test deploys a second app beside it.
-    with local.running(cluster_config, num_cpus=16) as running:
+    # Metrics exported every 1 s (Ray's default is 10 s): assertions on the scrape settle sooner.
+    with local.running(cluster_config, num_cpus=16, metrics_report_interval_ms=1000) as running:
         yield running
 
 

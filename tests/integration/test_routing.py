@@ -28,10 +28,17 @@ def test_groups_with_distinct_prefixes_split_and_keep_affinity(http, cluster):
     prefixes = {"A": _prefix(1), "B": _prefix(2)}
     hits_before = metric_sum(cluster.metrics_url, "ray_vllm_prefix_cache_hits_total")
 
-    # Round 1 concurrently: with no cached prefix anywhere, the load term sends the
-    # second group away from the replica already busy with the first.
-    with ThreadPoolExecutor(2) as pool:
-        first = dict(zip(prefixes, pool.map(lambda g: _ask(http, cluster.model_name, prefixes[g], "q0")[0], prefixes)))
+    # Placement of new prefixes is by load: while a long request of group A runs on one
+    # replica (and the engines have reported it), group B's first request goes elsewhere.
+    with ThreadPoolExecutor(1) as pool:
+        long_a = pool.submit(lambda: http.post("/v1/completions", json={
+            "model": cluster.model_name, "prompt": f"{prefixes['A']} long?", "max_tokens": 2000}))
+        wait_for(lambda: metric_sum(cluster.metrics_url, "ray_vllm_num_requests_running") >= 1,
+                 timeout_s=60, what="the engines to report group A's long request running")
+        first = {"B": _ask(http, cluster.model_name, prefixes["B"], "q0")[0]}
+        resp = long_a.result()
+        assert resp.status_code == 200, resp.text
+        first["A"] = resp.headers["x-kvtide-replica"]
     assert first["A"] != first["B"]
 
     # Both ingress routers learn placement from the engines' digests (~1 s period).
