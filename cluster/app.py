@@ -18,10 +18,9 @@ from cluster.config import DEMO_MODEL, KvtideConfig, config_to_dict, parse_confi
 from cluster.placement import REPLICA_ACTOR_CPUS, placement_bundles
 from deployments.engine import EngineReplica
 from deployments.ingress import Ingress
+from deployments.names import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT
 from deployments.router import PrefixAwareRouter, RoundRobinRouter
 
-ENGINE_DEPLOYMENT = "Engine"
-INGRESS_DEPLOYMENT = "Ingress"
 
 
 def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:

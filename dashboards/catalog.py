@@ -107,6 +107,9 @@ CATALOG: tuple[Metric, ...] = (
     Metric("ray_kvtide_engine_aborted_requests_total", _C, _E, ("model",), "requests",
            "Requests aborted inside the engine because the caller went away (vLLM does not count aborts).",
            "model", needs="a first abort (client disconnect mid-request)"),
+    Metric("ray_kvtide_engine_warmup_prefill_tokens_total", _C, _E, ("model",), "tokens",
+           "Prompt tokens a new replica prefilled (hot shared prefixes) before taking traffic.",
+           "model", needs=AUTOSCALING_ON),
     # --- router (deployments/router.py; in each ingress replica's process) ---------------------
     Metric("ray_kvtide_router_decisions_total", _C, _R, ("policy", "outcome"), "decisions",
            "Routing decisions by policy and outcome (cache_hit, load_fallback, no_match).", needs=ROUTER_ON),

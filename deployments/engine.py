@@ -25,12 +25,17 @@ from cluster.config import KvtideConfig, parse_config
 from cluster.demo_model import resolve_model
 from cluster.placement import cpu_threads_bind, engine_kwargs
 from autoscaling.ray_policy import replica_autoscaling_stats
+from autoscaling.warm_start import plan_warmup
 from deployments.engine_stats import EngineLoad, load_logger_factory
 from deployments.kv_cache_tracker import KvCacheTracker
 from deployments.kv_events import KvEventListener, new_ipc_endpoint
 from deployments.messages import GenerateDelta, GenerateRequest
+from deployments.names import INGRESS_DEPLOYMENT
 
 logger = logging.getLogger("kvtide.engine")
+
+# How long a new replica waits for the ingress's hot-prefix list before starting cold.
+WARM_START_LOOKUP_TIMEOUT_S = 5.0
 
 
 def _replica_id() -> str:
@@ -50,7 +55,7 @@ def _replica_rank() -> int:
 class EngineReplica:
     """Ray Serve deployment class hosting one vLLM engine (options set by cluster.app)."""
 
-    def __init__(self, config_dict: dict):
+    async def __init__(self, config_dict: dict):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
@@ -82,6 +87,41 @@ class EngineReplica:
         self.aborted_requests = metrics.Counter(
             "kvtide_engine_aborted_requests", "Requests aborted in the engine because the caller went away.",
             tag_keys=("model",))
+        self.warmup_tokens = metrics.Counter(
+            "kvtide_engine_warmup_prefill_tokens", "Prompt tokens a new replica prefilled before taking traffic.",
+            tag_keys=("model",))
+        # Serve marks the replica running only when this constructor returns: warm first.
+        await self._warm_start()
+
+    async def _warm_start(self) -> None:
+        """Prefill the fleet's hottest shared prefixes (from the ingress's view) before serving."""
+        warm = self.config.autoscaling.warm_start
+        if not (warm.enabled and warm.token_budget > 0 and self.config.engine.enable_prefix_caching):
+            return
+        try:
+            app_name = serve.get_replica_context().app_name
+            ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=app_name)
+            hot = await asyncio.wait_for(ingress.hot_prefixes.remote(), timeout=WARM_START_LOOKUP_TIMEOUT_S)
+        except Exception as exc:  # no ingress yet (first deploy) or it is busy: start cold
+            logger.info("warm start skipped: no hot-prefix list (%s)", type(exc).__name__)
+            return
+        block_size = self.config.engine.block_size
+        capacity_tokens = (self.engine.vllm_config.cache_config.num_gpu_blocks or 0) * block_size
+        plan = plan_warmup(hot, warm.token_budget, capacity_tokens, warm.max_prefixes,
+                           max_kv_fraction=warm.max_kv_fraction, block_size=block_size)
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        started_s = time.monotonic()
+        for i, tokens in enumerate(plan):
+            # One output token: the point is the prefill, which leaves the blocks cached.
+            async for _ in self.engine.generate(TokensPrompt(prompt_token_ids=tokens), SamplingParams(max_tokens=1),
+                                                request_id=f"kvtide-warmup-{self.replica_id}-{i}"):
+                pass
+            self.warmup_tokens.inc(len(tokens), {"model": self.config.model_name})
+        if plan:
+            logger.info("warm start: prefilled %d prefixes (%d tokens) in %.2f s", len(plan),
+                        sum(map(len, plan)), time.monotonic() - started_s)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         from vllm import SamplingParams

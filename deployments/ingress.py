@@ -29,6 +29,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster.config import KvtideConfig, parse_config
 from deployments.ingress_metrics import IngressMetrics
 from deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec
+from deployments.hot_prefixes import HotPrefixTracker
 from deployments.routing.block_hash import block_hashes
 from deployments.protocol import (
     ApiError,
@@ -91,7 +92,7 @@ class Ingress:
         self.metrics = IngressMetrics()
         self.block_size = self.config.engine.block_size
         self.routing_policy = self.config.routing.policy
-        self.hash_blocks = self.routing_policy == "prefix_aware"
+        self.hot_prefixes_tracker = HotPrefixTracker(self.block_size)
 
     # ---- plumbing ---------------------------------------------------------------
 
@@ -173,9 +174,11 @@ class Ingress:
         started_s = time.perf_counter()
         rid_prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         rid = f"{rid_prefix}-{uuid.uuid4().hex}"
+        hashes = tuple(block_hashes(prompt_ids, self.block_size))
+        self.hot_prefixes_tracker.observe(prompt_ids, hashes, time.monotonic())
         gen_req = GenerateRequest(
             request_id=rid, prompt_token_ids=prompt_ids, sampling=self._sampling(req, max_tokens),
-            block_hashes=tuple(block_hashes(prompt_ids, self.block_size)) if self.hash_blocks else (),
+            block_hashes=hashes,
             prompt=self.tokenizer.decode(prompt_ids) if self.routing_policy == "ray_prefix" else None)
         tags = {"model": self.model_name, "endpoint": endpoint}
         self.metrics.prompt_tokens.inc(len(prompt_ids), tags)
@@ -284,6 +287,10 @@ class Ingress:
             self.metrics.on_request_done(self.model_name, endpoint, err.status)
             return _error_response(err)
         return await self._run(endpoint, req, prompt_ids, max_tokens)
+
+    async def hot_prefixes(self, limit: int = 32) -> list[tuple[list[int], float]]:
+        """Handle method (not HTTP): shared prefixes a new engine replica should prefill."""
+        return self.hot_prefixes_tracker.hottest(time.monotonic(), limit=limit)
 
     # ---- routes ------------------------------------------------------------------------
 

@@ -38,6 +38,8 @@ def cluster_config():
 
 @pytest.fixture(scope="session")
 def cluster(cluster_config):
+    # Autoscaling stats every 1 s, so the autoscaling test reacts within its short delays.
+    os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     # Logical CPUs beyond the main app: the TP=2 test deploys a second app beside it.
     # Metrics exported every 1 s (Ray's default is 10 s): assertions on the scrape settle sooner.
     with local.running(cluster_config, num_cpus=16, metrics_report_interval_ms=1000) as running:

@@ -68,8 +68,8 @@ def test_vllm_labels_match_the_ray_wrapper() -> None:
 
 
 def test_engine_deployment_name_matches_the_app() -> None:
-    """Queries select deployment="Engine": the name cluster.app gives the engine deployment."""
-    source = (catalog.REPO_ROOT / "cluster" / "app.py").read_text()  # read, not imported: that pulls in vLLM
+    """Queries select deployment="Engine": the name deployments/names.py gives the engine deployment."""
+    source = (catalog.REPO_ROOT / "deployments" / "names.py").read_text()  # read, not imported
     assert f'ENGINE_DEPLOYMENT = "{catalog.ENGINE_DEPLOYMENT}"' in source
 
 

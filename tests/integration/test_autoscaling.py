@@ -1,0 +1,94 @@
+"""The KV autoscaler on a real cluster: load that fills the KV cache adds a replica, which starts warm."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from ray import serve
+from support import metric_sum, wait_for
+
+from cluster.app import build_from_config
+from cluster.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+APP = "kvtide-autoscale"
+MODEL = "kvtide-demo-as"
+WORDS = "red green blue cyan magenta yellow black white orange purple brown pink gray olive navy teal".split()
+
+
+def _engine_replicas() -> int:
+    status = serve.status().applications.get(APP)
+    if status is None or "Engine" not in status.deployments:
+        return 0
+    return status.deployments["Engine"].replica_states.get("RUNNING", 0)
+
+
+def _text(seed: int, num_words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(num_words))
+
+
+def test_kv_pressure_scales_up_warm_and_back_down(cluster, cluster_config):
+    """KV-filling load → a second replica within the delays; it serves the hot prefix from cache; idle → back to one."""
+    config = load_config(REPO / "cluster/configs/cpu.yaml", [
+        f"http.port={cluster_config.http.port}", f"metrics.port={cluster_config.metrics.port}",
+        f"served_model_name={MODEL}", "replicas.num_replicas=null", "replicas.min_replicas=1",
+        "replicas.max_replicas=2", "engine.max_model_len=2048",
+        # 12 MiB of KV: ~4k tokens, so three long requests fill one replica.
+        "engine.kv_cache_memory_bytes=12582912",
+        "autoscaling.look_back_s=2", "autoscaling.upscale_delay_s=2", "autoscaling.downscale_delay_s=8",
+        "autoscaling.target_kv_perc=0.35", "autoscaling.upper_kv_perc=0.5", "autoscaling.lower_kv_perc=0.15",
+        "autoscaling.max_step=1", "autoscaling.warm_start.token_budget=4096",
+    ])
+    serve.run(build_from_config(config), name=APP, route_prefix="/as", blocking=False)
+    base = cluster.base_url + "/as"
+    client = httpx.Client(base_url=base, timeout=180)
+    stop = threading.Event()
+    try:
+        assert _engine_replicas() == 1
+        hot = _text(7, 450)  # a shared system prompt of ~900 tokens, seen by the ingress as hot
+        for i in range(4):
+            r = client.post("/v1/completions", json={"model": MODEL, "prompt": f"{hot} q{i}", "max_tokens": 1})
+            assert r.status_code == 200, r.text
+        first_replica = r.headers["x-kvtide-replica"]
+
+        def load(worker: int) -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                client.post("/v1/completions", json={
+                    "model": MODEL, "prompt": _text(1000 * worker + n, 600), "max_tokens": 300})
+
+        workers = [threading.Thread(target=load, args=(w,), daemon=True) for w in range(4)]
+        for w in workers:
+            w.start()
+        started_s = time.monotonic()
+        wait_for(lambda: _engine_replicas() == 2, timeout_s=150, interval_s=1.0, what="a second engine replica")
+        scale_up_s = time.monotonic() - started_s
+        stop.set()
+        for w in workers:
+            w.join(timeout=180)
+
+        # The new replica prefilled the hot prefix before taking traffic, so its very first
+        # request of the hot group is served from cache.
+        served_by_new = None
+        for i in range(12):
+            r = client.post("/v1/completions", json={"model": MODEL, "prompt": f"{hot} after{i}", "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            if r.headers["x-kvtide-replica"] != first_replica:
+                served_by_new = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                break
+        assert served_by_new is not None, "no hot-group request reached the new replica"
+        assert served_by_new >= 512, f"the new replica's first hot request had {served_by_new} cached tokens"
+        wait_for(lambda: metric_sum(cluster.metrics_url, "ray_kvtide_engine_warmup_prefill_tokens_total",
+                                    model=MODEL) > 0, timeout_s=60, what="the warm-up prefill counter")
+        assert scale_up_s < 150
+
+        wait_for(lambda: _engine_replicas() == 1, timeout_s=120, interval_s=1.0, what="scale back down to min")
+    finally:
+        stop.set()
+        serve.delete(APP)
