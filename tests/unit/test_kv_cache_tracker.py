@@ -1,0 +1,81 @@
+"""The engine-side block set rebuilt from vLLM KV events, in the router's hashes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deployments.kv_cache_tracker import KvCacheTracker
+from deployments.routing.block_hash import block_hashes
+
+BS = 4
+
+
+@dataclass
+class BlockStored:  # same field names as vllm.distributed.kv_events.BlockStored
+    block_hashes: list
+    parent_block_hash: object
+    token_ids: list
+
+
+@dataclass
+class BlockRemoved:
+    block_hashes: list
+
+
+class AllBlocksCleared:
+    pass
+
+
+def _tracker() -> KvCacheTracker:
+    return KvCacheTracker("r1", epoch=7, block_size=BS)
+
+
+def test_stored_blocks_get_the_routers_chained_hashes():
+    """Blocks stored in two events (parent then child) hash exactly as the ingress hashes the prompt."""
+    tokens = list(range(100, 112))  # three full blocks
+    t = _tracker()
+    t.apply(BlockStored(["v1"], None, tokens[:4]))
+    t.apply(BlockStored(["v2", "v3"], "v1", tokens[4:12]))
+    assert t.digest(0.0).hashes() == frozenset(block_hashes(tokens, BS))
+
+
+def test_removed_blocks_leave_the_digest():
+    """An evicted block is gone from the next digest, so the router stops counting it."""
+    tokens = list(range(8))
+    t = _tracker()
+    t.apply(BlockStored(["a", "b"], None, tokens))
+    t.apply(BlockRemoved(["b"]))
+    assert t.digest(0.0).hashes() == frozenset(block_hashes(tokens, BS)[:1])
+
+
+def test_all_cleared_empties_and_flags_the_next_digest_only():
+    """A cache reset empties the set and is reported once, in the next digest."""
+    t = _tracker()
+    t.apply(BlockStored(["a"], None, [1, 2, 3, 4]))
+    t.apply(AllBlocksCleared())
+    first, second = t.digest(0.0), t.digest(1.0)
+    assert first.num_blocks == 0 and first.all_cleared and not second.all_cleared
+
+
+def test_unknown_parent_is_not_advertised():
+    """A chain whose parent was stored before we subscribed cannot be named, so it is skipped."""
+    t = _tracker()
+    t.apply(BlockStored(["x"], "never-seen", [1, 2, 3, 4]))
+    assert t.num_blocks == 0
+
+
+def test_partial_block_is_ignored_and_duplicates_count_once():
+    """Only full blocks count, and a block re-announced (prefix reuse) is held once until removed."""
+    t = _tracker()
+    t.apply(BlockStored(["a"], None, [1, 2, 3, 4, 5, 6]))
+    t.apply(BlockStored(["a"], None, [1, 2, 3, 4]))
+    assert t.num_blocks == 1
+    t.apply(BlockRemoved(["a"]))
+    assert t.num_blocks == 0
+
+
+def test_digests_are_sequenced_within_an_epoch():
+    """Each digest carries the engine epoch and a rising sequence, so routers drop stale ones."""
+    t = _tracker()
+    a, b = t.digest(0.0), t.digest(1.0)
+    assert (a.epoch, a.sequence) == (7, 1) and b.is_newer_than(a.epoch, a.sequence)
