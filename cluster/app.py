@@ -16,15 +16,19 @@ from ray.serve.config import RequestRouterConfig
 from autoscaling.ray_policy import autoscaling_config
 from cluster.config import DEMO_MODEL, KvtideConfig, config_to_dict, parse_config
 from cluster.placement import REPLICA_ACTOR_CPUS, placement_bundles
+from deployments.admission import admission_limits
 from deployments.engine import EngineReplica
 from deployments.ingress import Ingress
 from deployments.names import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT
 from deployments.router import PrefixAwareRouter, RoundRobinRouter
 
+# How long a stopping engine replica may drain when requests have no deadline.
+DRAIN_TIMEOUT_WITHOUT_DEADLINE_S = 600.0
 
 
 def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
-    """Replica count, placement group and health-check settings of the engine deployment."""
+    """Replica count, placement group, health-check, queue and drain settings of the engine deployment."""
+    limits = admission_limits(config)
     options: dict[str, Any] = {
         "name": ENGINE_DEPLOYMENT,
         "ray_actor_options": {"num_cpus": REPLICA_ACTOR_CPUS, "num_gpus": 0},
@@ -32,10 +36,15 @@ def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
         "placement_group_strategy": "STRICT_PACK",
         # Each replica batches in vLLM; Serve's queue cap only bounds what is in flight.
         "max_ongoing_requests": max(2 * config.engine.max_num_seqs, 8),
+        # Past this many requests waiting for a replica at one ingress's handle (engines
+        # missing: died, not scaled up yet), the handle raises BackPressureError → 429.
+        "max_queued_requests": limits.max_queued_requests_per_handle,
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
-        # A vLLM engine on a cold node may take minutes to load weights.
-        "graceful_shutdown_timeout_s": 30,
+        # Scale-down and upgrades drain: a stopping replica takes no new requests and gets
+        # up to the request deadline to finish those in flight before it is killed.
+        "graceful_shutdown_wait_loop_s": 1,
+        "graceful_shutdown_timeout_s": limits.request_timeout_s or DRAIN_TIMEOUT_WITHOUT_DEADLINE_S,
         "request_router_config": request_router_config(config),
     }
     if config.replicas.autoscaling:

@@ -13,6 +13,8 @@ overrides are dotted paths (`engine.max_model_len=2048`).
     ├── resources  ResourcesConfig  device kind and CPUs per tensor-parallel worker
     ├── routing    RoutingConfig    request-router policy name
     ├── ingress    IngressConfig    OpenAI ingress replicas and request limits
+    │   ├── admission AdmissionConfig  concurrency/queue bounds (429), request deadline (504)
+    │   └── auth      AuthConfig       where API keys come from (env var, file)
     ├── http       HttpConfig       host/port of the Serve HTTP proxy
     └── metrics    MetricsConfig    Ray metrics export port (Prometheus text)
 
@@ -151,11 +153,51 @@ class RoutingConfig(_Strict):
         10.0, gt=0, description="prefix_aware: how long the router's own routing counts as cached without a digest.")
 
 
+class AdmissionConfig(_Strict):
+    """Overload protection: bounded concurrency and queue, then 429; a deadline, then 504.
+
+    deployments.admission documents the derivation; null limits follow the engine fleet.
+    """
+
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Requests one ingress replica admits at once (generating or queued in an engine); "
+                                "429 above. null: (engine replicas x engine.max_num_seqs + max_queued_requests) "
+                                "/ ingress replicas, rounded up.")
+    max_queued_requests: int | None = Field(
+        None, ge=0, description="Requests the fleet admits beyond its engines' batch slots, to wait in engine queues. "
+                                "null: one batch per engine replica (replicas x engine.max_num_seqs).")
+    request_timeout_s: float | None = Field(
+        600.0, gt=0, description="Deadline from arrival to the last byte; 504 (or an SSE error event once streaming). "
+                                 "null: no deadline.")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After header (seconds) on 429 and retryable 503 answers.")
+    max_retries: int = Field(
+        2, ge=0, le=10, description="Retries on another engine replica when one fails before the first token.")
+
+
+class AuthConfig(_Strict):
+    """Optional API keys (`Authorization: Bearer <key>`). Keys never live in this config: it is logged
+    and stored in serveConfigV2; they come from an env var (the chart fills it from a Secret) or a file."""
+
+    api_keys_env: str | None = Field(
+        "KVTIDE_API_KEYS", min_length=1, description="Env var holding comma-separated API keys; unset or empty: none "
+                                                     "from it. The chart sets it from apiKeys.existingSecret.")
+    api_keys_file: str | None = Field(
+        None, min_length=1, description="File with one API key per line (# comments); read at ingress start.")
+    require_keys: bool = Field(
+        False, description="Refuse to start when no key was found, so a missing Secret cannot open the API.")
+
+
 class IngressConfig(_Strict):
     """The OpenAI-compatible ingress deployment."""
 
     num_replicas: int = Field(1, ge=1, description="Ingress replicas (each tokenizes and routes).")
     max_body_bytes: int = Field(4 << 20, ge=1024, description="Largest accepted request body (413 above).")
+    max_messages: int = Field(1024, ge=1, description="Most chat messages in one request (400 above).")
+    max_prompt_chars: int | None = Field(
+        None, ge=1, description="Longest prompt in characters, checked before tokenizing (400 above). "
+                                "null: 16 x engine.max_model_len.")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
 
 
 class HttpConfig(_Strict):

@@ -11,7 +11,7 @@ hold the list to the truth:
 
 - kvtide's own series (`ray_kvtide_*`) are listed exhaustively: a test fails if code
   exports one the catalog lacks, or the catalog lists one no code exports. So a metric
-  that does not exist yet (admission rejections, router decisions) is NOT listed; adding
+  that does not exist yet is NOT listed; adding
   it once it is exported is one `Metric(...)` entry below (router metrics came so), and the panels and alert
   rules that `requires` it switch on by themselves (see `has()`).
 - vLLM's and Ray Serve's series are the subset kvtide relies on; a unit test checks each
@@ -90,6 +90,7 @@ _ING = ("model", "endpoint")
 _AUTO = ("deployment", "application")
 ROUTER_ON = "a kvtide request router (routing.policy prefix_aware or round_robin) and one request"
 AUTOSCALING_ON = "engine autoscaling on (replicas.min_replicas/max_replicas) and one controller tick"
+ADMISSION_REJECTED = "a first request refused by admission control (429 at capacity, 504 past its deadline)"
 
 CATALOG: tuple[Metric, ...] = (
     # --- ingress (deployments/ingress_metrics.py) ---------------------------------------
@@ -103,6 +104,9 @@ CATALOG: tuple[Metric, ...] = (
            "Finished requests by HTTP status (499: client went away; 503 mid-stream engine failure).", "model"),
     Metric("ray_kvtide_prompt_tokens_total", _C, _I, _ING, "tokens", "Prompt tokens admitted.", "model"),
     Metric("ray_kvtide_output_tokens_total", _C, _I, _ING, "tokens", "Output tokens generated.", "model"),
+    Metric("ray_kvtide_admission_rejections_total", _C, _I, ("model", "reason"), "requests",
+           "Requests refused to protect the fleet, by reason (ingress_full, engine_queue_full: 429; timeout: 504).",
+           "model", needs=ADMISSION_REJECTED),
     # --- engine replica, kvtide's own (deployments/engine.py) --------------------------------
     Metric("ray_kvtide_engine_aborted_requests_total", _C, _E, ("model",), "requests",
            "Requests aborted inside the engine because the caller went away (vLLM does not count aborts).",

@@ -32,6 +32,12 @@ class IngressMetrics:
             "kvtide_prompt_tokens", "Prompt tokens admitted.", tag_keys=tags)
         self.output_tokens = metrics.Counter(
             "kvtide_output_tokens", "Output tokens generated.", tag_keys=tags)
+        self.admission_rejections = metrics.Counter(
+            "kvtide_admission_rejections", "Requests refused to protect the fleet, by reason "
+            "(ingress_full, engine_queue_full: 429; timeout: 504).", tag_keys=("model", "reason"))
+
+    def on_rejected(self, model: str, reason: str) -> None:
+        self.admission_rejections.inc(1, {"model": model, "reason": reason})
 
     def on_request_done(self, model: str, endpoint: str, status: int) -> None:
         self.requests.inc(1, {"model": model, "endpoint": endpoint, "status": str(status)})

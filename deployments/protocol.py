@@ -3,6 +3,9 @@
 Pure data (pydantic + dicts), no Ray, so the ingress stays small and this is unit-tested.
 Requests are strict about types and ranges (a bad field is a 400 naming it) but accept
 unknown fields, as OpenAI does, so SDK upgrades that send new optional keys keep working.
+Strict means pydantic's strict mode: no coercion, so "stream": "false" or "max_tokens":
+"8" or true is a 400 rather than a guess. Integers sent to the engine are bounded to what
+vLLM and torch accept (a seed beyond int64 would fail inside the engine, as a 5xx).
 """
 
 from __future__ import annotations
@@ -47,25 +50,33 @@ def error_body(message: str, err_type: str, *, param: str | None = None, code: s
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+# Known fields are type-strict; unknown ones are accepted and ignored (see the docstring).
+_REQUEST_MODEL = ConfigDict(extra="allow", strict=True)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Output tokens one request may ask for, whatever the context: keeps arithmetic and
+# vLLM's SamplingParams in range; the context-length check refuses anything too long first.
+MAX_TOKENS_LIMIT = 2**31 - 1
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _REQUEST_MODEL
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = _REQUEST_MODEL
 
     model: str = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     user: str | None = None
 
     @field_validator("n")
@@ -113,13 +124,13 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _REQUEST_MODEL
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _REQUEST_MODEL
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -134,7 +145,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
 
     @property
     def max_output_tokens(self) -> int | None:

@@ -222,6 +222,13 @@ def chart_properties() -> dict[str, Schema]:
             },
             "Hugging Face token for gated models (env HF_TOKEN).",
         ),
+        "apiKeys": _obj(
+            {
+                "existingSecret": _str("Secret holding the API keys (comma-separated); empty = no keys from a Secret."),
+                "secretKey": _str("Key inside that Secret."),
+            },
+            "API keys for the OpenAI endpoint (Authorization: Bearer), from a Secret into env kvtide.ingress.auth.api_keys_env.",
+        ),
         "env": _k8s("Extra env vars for every Ray container.", "array"),
         "envFrom": _k8s("Extra envFrom sources for every Ray container.", "array"),
         "service": _obj(

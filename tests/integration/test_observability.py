@@ -176,6 +176,9 @@ def test_dashboards_and_alerts_return_data_from_a_real_prometheus(cluster, clust
         # vLLM creates the counter at the first preemption, which light CPU traffic may not cause;
         # the panels and alert on it fall back to 0 and are still checked below.
         unmet.add(catalog.metric("ray_vllm_num_preemptions_total").needs)
+    if "ray_kvtide_admission_rejections_total" not in prometheus.names():
+        # Created at the first 429/504; light traffic on a healthy cluster refuses nothing.
+        unmet.add(catalog.metric("ray_kvtide_admission_rejections_total").needs)
 
     # --- every panel query and alert signal returns a finite value ----------------------------
     checks: list[tuple[str, str]] = []

@@ -76,7 +76,7 @@ def test_engine_deployment_name_matches_the_app() -> None:
 def test_unknown_metric_is_refused_with_the_fix() -> None:
     """A query may not name an uncatalogued metric: building it raises, naming the catalog."""
     with pytest.raises(KeyError, match="dashboards/catalog.py"):
-        catalog.metric("ray_kvtide_admission_rejections_total")
+        catalog.metric("ray_kvtide_not_exported_anywhere_total")
 
 
 def test_every_entry_is_documented() -> None:

@@ -201,6 +201,17 @@ files and the token too).
       name: {{ .Values.hfToken.secretName }}
       key: {{ .Values.hfToken.secretKey }}
 {{- end }}
+{{- if .Values.apiKeys.existingSecret }}
+{{- $envName := dig "ingress" "auth" "api_keys_env" "" .Values.kvtide }}
+{{- if not $envName }}
+{{- fail "apiKeys.existingSecret is set but kvtide.ingress.auth.api_keys_env is empty; set it (default KVTIDE_API_KEYS) so the ingress reads the keys" }}
+{{- end }}
+- name: {{ $envName }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKeys.existingSecret }}
+      key: {{ .Values.apiKeys.secretKey }}
+{{- end }}
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}

@@ -1,0 +1,445 @@
+"""Reliability on a real cluster: fuzzed input, a killed engine replica, overload, deadlines and a soak.
+
+Destructive tests (kill, overload, deadline) run against apps of their own, deployed beside
+the session's main app in the same Ray instance and deleted afterwards, so the shared
+cluster is never disturbed; the fuzz and soak tests use the main app and leave it as found.
+Each test prints the figures benchmarks/results/reliability.md reports.
+
+Bounds stated here (2-core CPU machine, shared): every request of the kill test ends within
+KILL_REQUEST_BOUND_S; the killed replica is replaced within RECOVERY_BOUND_S.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import ray
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from ray import serve
+from support import metric_sum, wait_for
+
+from cluster.app import build_from_config
+from cluster.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+KILL_APP, OVERLOAD_APP = "kvtide-kill", "kvtide-overload"
+KILL_REQUEST_BOUND_S = 120.0
+RECOVERY_BOUND_S = 300.0
+CLIENT_TIMEOUT_S = 60.0
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def _deploy(cluster_config, app: str, overrides: list[str]) -> None:
+    """Deploy a second kvtide app at /<app> in the session's Ray instance (returns once it serves)."""
+    config = load_config(REPO / "cluster/configs/cpu.yaml", [
+        f"http.port={cluster_config.http.port}", f"metrics.port={cluster_config.metrics.port}",
+        f"served_model_name={app}", *overrides])
+    serve.run(build_from_config(config), name=app, route_prefix=f"/{app}", blocking=False)
+
+
+def _running_engines(app: str) -> int:
+    status = serve.status().applications.get(app)
+    if status is None or "Engine" not in status.deployments:
+        return 0
+    return status.deployments["Engine"].replica_states.get("RUNNING", 0)
+
+
+def _engine_actor_names(app: str) -> list[str]:
+    prefix = f"SERVE_REPLICA::{app}#Engine#"
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
+
+
+@dataclass
+class StreamResult:
+    """How one streamed request ended, as the client saw it."""
+
+    status: int = 0
+    replica: str = ""
+    num_tokens_events: int = 0
+    finish_reason: str | None = None
+    error: dict | None = None
+    done: bool = False
+    exception: str | None = None
+    elapsed_s: float = 0.0
+    first_event: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def outcome(self) -> str:
+        if self.exception:
+            return f"client_exception:{self.exception}"
+        if self.status == 200 and self.finish_reason and self.done and not self.error:
+            return "ok"
+        if self.status == 200 and self.error and self.done:
+            return f"sse_error:{self.error.get('code')}"
+        if self.status != 200:
+            return f"http_{self.status}"
+        return "unclean"  # a 200 stream that ended without [DONE] or a finish reason
+
+
+def _stream(client: httpx.Client, path: str, body: dict, result: StreamResult) -> StreamResult:
+    started = time.monotonic()
+    try:
+        with client.stream("POST", path, json=body) as resp:
+            result.status = resp.status_code
+            result.replica = resp.headers.get("x-kvtide-replica", "")
+            if resp.status_code != 200:
+                resp.read()
+                result.error = resp.json().get("error")
+                return result
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line.removeprefix("data: ")
+                if data == "[DONE]":
+                    result.done = True
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = event["error"]
+                    continue
+                for choice in event.get("choices", []):
+                    result.num_tokens_events += 1
+                    result.first_event.set()
+                    result.finish_reason = choice.get("finish_reason") or result.finish_reason
+    except httpx.HTTPError as exc:
+        result.exception = type(exc).__name__
+    finally:
+        result.elapsed_s = time.monotonic() - started
+        result.first_event.set()
+    return result
+
+
+# --- fuzzing -----------------------------------------------------------------------------------
+
+_json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=40)
+_json = st.recursive(_json_scalars, lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(st.text(max_size=10), inner, max_size=4), max_leaves=12)
+_small_tokens = st.integers(1, 4)
+# Valid-looking values mixed with junk of every JSON type, per field; output stays tiny so
+# requests the server accepts finish fast, and max_tokens is always present so no valid
+# request defaults to the whole context.
+_field_values = {
+    "temperature": st.floats(0, 2) | _json,
+    "top_p": st.floats(0.01, 1) | _json,
+    "seed": st.integers(-(2**63), 2**63 - 1) | st.integers(2**63, 2**80) | _json,
+    "stop": st.text(min_size=1, max_size=8) | st.lists(st.text(max_size=8), max_size=6) | _json,
+    "n": st.just(1) | _json,
+    "stream": st.booleans() | _json,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | _json,
+    "user": st.text(max_size=20) | _json,
+}
+_messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "developer", "tool", "wizard"]) | _json,
+     "content": st.text(max_size=200) | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=50)}),
+                                                  max_size=3) | _json},
+    optional={"name": st.text(max_size=10)}), max_size=5) | _json
+_prompt = st.text(max_size=300) | st.lists(st.integers(-5, 9000), max_size=50) | st.lists(st.text(max_size=20), max_size=3) | _json
+
+
+@st.composite
+def _request(draw, model: str):
+    endpoint = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    body: dict = {"model": draw(st.just(model) | st.just(model) | _json)}
+    if endpoint == "/v1/completions":
+        body["prompt"] = draw(_prompt)
+    else:
+        body["messages"] = draw(_messages)
+    token_field = "max_tokens" if endpoint == "/v1/completions" else draw(st.sampled_from(["max_tokens", "max_completion_tokens"]))
+    body[token_field] = draw(_small_tokens | _small_tokens | _json)
+    for name, values in _field_values.items():
+        if draw(st.booleans()):
+            body[name] = draw(values)
+    if draw(st.integers(0, 9)) == 0:
+        body[draw(st.text(min_size=1, max_size=12))] = draw(_json)  # unknown keys are accepted
+    kind = draw(st.sampled_from(["json"] * 8 + ["raw", "not_object"]))
+    if kind == "raw":
+        return endpoint, draw(st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
+    if kind == "not_object":
+        return endpoint, json.dumps(draw(_json)).encode()
+    return endpoint, json.dumps(body).encode()
+
+
+def test_fuzzed_requests_never_get_a_5xx_or_hang(cluster):
+    """1,000+ generated requests (valid, junk-typed, malformed): every answer is < 500, in time, with an OpenAI body."""
+    statuses: Counter = Counter()
+    client = httpx.Client(base_url=cluster.base_url, timeout=CLIENT_TIMEOUT_S)
+    started = time.monotonic()
+
+    @settings(max_examples=1000, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(_request(cluster.model_name))
+    def one(case):
+        endpoint, content = case
+        resp = client.post(endpoint, content=content, headers={"content-type": "application/json"})
+        statuses[resp.status_code] += 1
+        assert resp.status_code < 500, (resp.status_code, content[:300], resp.text[:300])
+        if resp.status_code >= 400:
+            assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+        elif resp.headers.get("content-type", "").startswith("text/event-stream"):
+            assert resp.text.rstrip().endswith("data: [DONE]"), resp.text[-200:]
+
+    try:
+        one()
+    finally:
+        client.close()
+    total = sum(statuses.values())
+    print(f"\nfuzz: {total} requests in {time.monotonic() - started:.0f} s, statuses {dict(sorted(statuses.items()))}")
+    assert total >= 1000
+    assert statuses[200] >= 50, "the generator must also produce requests the server accepts"
+    ok = httpx.get(cluster.base_url + "/health", timeout=10)
+    assert ok.status_code == 200
+
+
+# --- a replica dies mid-stream -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kill_app(cluster, cluster_config):
+    _deploy(cluster_config, KILL_APP, ["replicas.num_replicas=2", "ingress.num_replicas=1"])
+    try:
+        yield cluster.base_url + f"/{KILL_APP}"
+    finally:
+        serve.delete(KILL_APP)
+
+
+def test_killed_engine_replica_ends_streams_cleanly_and_the_fleet_recovers(kill_app):
+    """32 streams, one engine killed: each ends (done or SSE error) in bound, new requests succeed, 2 replicas return."""
+    assert _running_engines(KILL_APP) == 2
+    client = httpx.Client(base_url=kill_app, timeout=httpx.Timeout(KILL_REQUEST_BOUND_S, connect=10))
+    body = {"model": KILL_APP, "prompt": "def replica_failure():", "max_tokens": 400, "temperature": 0,
+            "stream": True}
+    results = [StreamResult() for _ in range(32)]
+    with ThreadPoolExecutor(32) as pool:
+        futures = [pool.submit(_stream, client, "/v1/completions", body, r) for r in results]
+        wait_for(lambda: sum(r.first_event.is_set() for r in results) >= 16, 120, 0.2,
+                 "half the streams to receive tokens")
+        replicas = Counter(r.replica for r in results if r.replica)
+        victim_id = replicas.most_common(1)[0][0]
+        names = _engine_actor_names(KILL_APP)
+        victim = next(n for n in names if n.endswith(victim_id))
+        killed_at = time.monotonic()
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+
+        # Requests sent after the kill go to the survivor (or are retried there before their first token).
+        after = [client.post("/v1/completions", json={"model": KILL_APP, "prompt": f"after {i}", "max_tokens": 4})
+                 for i in range(8)]
+        for future in futures:
+            future.result(timeout=KILL_REQUEST_BOUND_S + 30)
+    ended_s = max(r.elapsed_s for r in results)
+    outcomes = Counter(r.outcome for r in results)
+    print(f"\nkill: victim served {replicas[victim_id]} of {sum(replicas.values())} streams; outcomes {dict(outcomes)}; "
+          f"slowest stream {ended_s:.1f} s; after-kill statuses {[r.status_code for r in after]}")
+    assert set(outcomes) <= {"ok", "sse_error:engine_unavailable", "http_503"}, outcomes
+    assert all(r.elapsed_s < KILL_REQUEST_BOUND_S for r in results)
+    assert outcomes["ok"] >= 1, "streams on the surviving replica finish normally"
+    for resp in after:
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-kvtide-replica"] != victim_id
+
+    wait_for(lambda: _running_engines(KILL_APP) == 2 and victim not in _engine_actor_names(KILL_APP),
+             RECOVERY_BOUND_S, 1.0, "Serve to replace the killed engine replica")
+    recovery_s = time.monotonic() - killed_at
+    ok = client.post("/v1/completions", json={"model": KILL_APP, "prompt": "recovered", "max_tokens": 4})
+    client.close()
+    print(f"kill: full replica count (2 RUNNING) again {recovery_s:.1f} s after the kill")
+    assert ok.status_code == 200, ok.text
+
+
+# --- overload and deadlines --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def overload_app(cluster, cluster_config):
+    # One engine of 4 sequences, a fleet queue of 4: the ingress admits 8 at once. A 20 s deadline.
+    _deploy(cluster_config, OVERLOAD_APP, [
+        "replicas.num_replicas=1", "ingress.num_replicas=1", "engine.max_num_seqs=4",
+        "ingress.admission.max_queued_requests=4", "ingress.admission.request_timeout_s=20",
+        "ingress.admission.retry_after_s=2"])
+    try:
+        yield cluster.base_url + f"/{OVERLOAD_APP}"
+    finally:
+        serve.delete(OVERLOAD_APP)
+
+
+def test_overload_gets_429_with_retry_after_and_health_stays_green(overload_app, cluster):
+    """128 concurrent requests against room for 8: admitted ones complete, the rest get 429 + Retry-After, none hang."""
+    rejections_before = metric_sum(cluster.metrics_url, "ray_kvtide_admission_rejections_total")
+    client = httpx.Client(base_url=overload_app, timeout=CLIENT_TIMEOUT_S)
+    probes: list[tuple[int, float]] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        # Bounded: at most 600 probes, and it stops when the burst is over.
+        for _ in range(600):
+            if stop.is_set():
+                return
+            for path in ("/health", "/v1/models"):
+                t0 = time.monotonic()
+                resp = client.get(path)
+                probes.append((resp.status_code, time.monotonic() - t0))
+
+    def ask(i: int) -> httpx.Response:
+        body = {"model": OVERLOAD_APP, "max_tokens": 24, "temperature": 0, "stream": i % 4 == 0}
+        if i % 2:
+            return client.post("/v1/completions", json={**body, "prompt": f"overload {i}"})
+        return client.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": f"overload {i}"}]})
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(129) as pool:
+        prober = pool.submit(probe)
+        responses = list(pool.map(ask, range(128), timeout=CLIENT_TIMEOUT_S * 2))
+        stop.set()
+        prober.result(timeout=CLIENT_TIMEOUT_S)
+    elapsed_s = time.monotonic() - started
+    client.close()
+    statuses = Counter(r.status_code for r in responses)
+    probe_ok = [s for s, _ in probes if s == 200]
+    print(f"\noverload: 128 requests in {elapsed_s:.1f} s: {dict(statuses)} "
+          f"({statuses[429] / len(responses):.0%} 429); health/models probes {len(probe_ok)}/{len(probes)} ok, "
+          f"slowest {max(d for _, d in probes) * 1000:.0f} ms")
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses[200] >= 8 and statuses[429] >= 1
+    for resp in responses:
+        if resp.status_code == 429:
+            assert resp.headers["retry-after"] == "2"
+            assert resp.json()["error"]["type"] == "rate_limit_error"
+        elif resp.headers["content-type"].startswith("text/event-stream"):
+            assert resp.text.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in resp.text
+        else:
+            assert resp.json()["usage"]["completion_tokens"] == 24
+    assert probes and len(probe_ok) == len(probes), Counter(s for s, _ in probes)
+    wait_for(lambda: metric_sum(cluster.metrics_url, "ray_kvtide_admission_rejections_total",
+                                reason="ingress_full") > rejections_before,
+             60, 1.0, "the admission rejection counter")
+
+
+def test_request_past_its_deadline_gets_504_or_an_sse_timeout_event(overload_app):
+    """A request that cannot finish within request_timeout_s ends in time: 504 JSON, or an SSE error + [DONE]."""
+    body = {"model": OVERLOAD_APP, "prompt": "x", "max_tokens": 4000, "temperature": 0}
+    with httpx.Client(base_url=overload_app, timeout=CLIENT_TIMEOUT_S) as client:
+        started = time.monotonic()
+        resp = client.post("/v1/completions", json=body)
+        plain_s = time.monotonic() - started
+        result = _stream(client, "/v1/completions", {**body, "stream": True}, StreamResult())
+    print(f"\ndeadline (20 s): non-streaming answered {resp.status_code} after {plain_s:.1f} s; "
+          f"stream ended {result.outcome} after {result.elapsed_s:.1f} s")
+    if resp.status_code == 200:  # the model hit EOS before the deadline: nothing to time out
+        pytest.skip(f"the demo model finished {resp.json()['usage']['completion_tokens']} tokens within 20 s")
+    assert resp.status_code == 504, resp.text
+    assert resp.json()["error"]["code"] == "timeout" and 19 <= plain_s < 30
+    assert result.outcome == "sse_error:timeout" and result.elapsed_s < 30
+
+
+# --- soak --------------------------------------------------------------------------------------
+
+
+def _replica_pids(app: str) -> dict[str, list[int]]:
+    from ray.util.state import list_actors
+
+    pids: dict[str, list[int]] = {}
+    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+        name = actor.get("name") or ""
+        for deployment in ("Ingress", "Engine"):
+            if name.startswith(f"SERVE_REPLICA::{app}#{deployment}#"):
+                pids.setdefault(deployment, []).append(actor["pid"])
+    return pids
+
+
+def _rss_mb(pid: int) -> float:
+    """A replica's RSS with its children (the engine's vLLM EngineCore process), in MiB."""
+    proc = psutil.Process(pid)
+    procs = [proc, *proc.children(recursive=True)]
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 2**20
+
+
+def test_soak_2000_mixed_requests_no_errors_kv_drains_and_rss_is_flat(cluster):
+    """2,000 mixed requests at concurrency 64: no unexpected error, KV usage back to 0, replica RSS growth < 5%."""
+    import random
+
+    pids = _replica_pids("kvtide")
+    assert len(pids.get("Engine", [])) == 2 and len(pids.get("Ingress", [])) == 2, pids
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+    rng = random.Random(7)
+    cases = []
+    for i in range(2000):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.choice([2, 8, 32, 128, 400])))
+        body = {"model": cluster.model_name, "max_tokens": rng.randint(1, 8), "stream": i % 3 == 0}
+        cases.append(("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}) if i % 2
+                     else ("/v1/completions", {**body, "prompt": prompt}))
+
+    samples: list[tuple[int, dict[str, float]]] = []  # (requests finished so far, rss per deployment)
+    finished = [0]
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def sample() -> None:
+        for _ in range(3600):  # bounded: one sample a second, at most an hour
+            if stop.wait(1.0):
+                return
+            rss = {dep: sum(_rss_mb(pid) for pid in dep_pids) for dep, dep_pids in pids.items()}
+            samples.append((finished[0], rss))
+
+    client = httpx.Client(base_url=cluster.base_url, timeout=CLIENT_TIMEOUT_S,
+                          limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+
+    def run(case) -> str:
+        endpoint, body = case
+        try:
+            resp = client.post(endpoint, json=body)
+            ok = resp.status_code == 200 and (not body["stream"] or resp.text.rstrip().endswith("data: [DONE]"))
+            outcome = "ok" if ok else f"http_{resp.status_code}"
+        except httpx.HTTPError as exc:
+            outcome = f"client_exception:{type(exc).__name__}"
+        with lock:
+            finished[0] += 1
+        return outcome
+
+    # Warm-up outside the measurement: first-use allocations are not growth.
+    with ThreadPoolExecutor(64) as pool:
+        list(pool.map(run, cases[:128]))
+    finished[0] = 0
+    started = time.monotonic()
+    with ThreadPoolExecutor(65) as pool:
+        sampler = pool.submit(sample)
+        outcomes = Counter(pool.map(run, cases, timeout=1800))
+        stop.set()
+        sampler.result(timeout=60)
+    elapsed_s = time.monotonic() - started
+    client.close()
+
+    wait_for(lambda: metric_sum(cluster.metrics_url, "ray_vllm_num_requests_running") == 0
+             and metric_sum(cluster.metrics_url, "ray_vllm_kv_cache_usage_perc", model_name=cluster.model_name) == 0,
+             60, 1.0, "engines to report zero running requests and zero KV usage")
+    n = len(cases)
+    first = [rss for done, rss in samples if done <= n // 4]
+    last = [rss for done, rss in samples if done >= 3 * n // 4]
+    growth = {}
+    for dep in pids:
+        a, b = statistics.mean(s[dep] for s in first), statistics.mean(s[dep] for s in last)
+        growth[dep] = (a, b, (b - a) / a)
+    print(f"\nsoak: {n} requests in {elapsed_s:.0f} s ({n / elapsed_s:.1f} req/s) at concurrency 64: {dict(outcomes)}; "
+          + "; ".join(f"{dep} RSS {a:.0f} -> {b:.0f} MiB ({g:+.2%})" for dep, (a, b, g) in growth.items())
+          + f"; {len(samples)} samples ({len(first)} first quarter, {len(last)} last)")
+    assert outcomes == Counter({"ok": n}), outcomes
+    assert first and last
+    for dep, (_, _, g) in growth.items():
+        assert g < 0.05, f"{dep} RSS grew {g:.1%} from the first to the last quarter"

@@ -1,0 +1,106 @@
+"""Admission control's pure logic: limits derived from the fleet, the gate, deadlines, prompt limits."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import ConfigError, parse_config
+from deployments.admission import (
+    AdmissionGate,
+    Deadline,
+    admission_limits,
+    engine_replicas_for_capacity,
+    max_prompt_chars,
+)
+
+
+def _config(**sections):
+    return parse_config(sections)
+
+
+@pytest.mark.parametrize(("sections", "ongoing", "per_handle"), [
+    # 2 engines x 32 seqs = 64 slots, + 64 queued (default: one batch per engine), over 1 ingress
+    ({"engine": {"max_num_seqs": 32}, "replicas": {"num_replicas": 2}}, 128, 64),
+    # the same fleet split over 2 ingress replicas
+    ({"engine": {"max_num_seqs": 32}, "replicas": {"num_replicas": 2}, "ingress": {"num_replicas": 2}}, 64, 32),
+    # an explicit fleet queue; odd totals round up so the fleet is never under-admitted
+    ({"engine": {"max_num_seqs": 4}, "replicas": {"num_replicas": 1},
+      "ingress": {"num_replicas": 3, "admission": {"max_queued_requests": 3}}}, 3, 1),
+    # autoscaling sizes for the ceiling: the gate must not starve a scaled-up fleet
+    ({"engine": {"max_num_seqs": 8}, "replicas": {"min_replicas": 1, "max_replicas": 4}}, 64, 32),
+    # a queue of 0: only batch slots are admitted; the handle queue keeps a floor of 1
+    ({"engine": {"max_num_seqs": 8}, "replicas": {"num_replicas": 1},
+      "ingress": {"admission": {"max_queued_requests": 0}}}, 8, 1),
+])
+def test_limits_follow_the_engine_fleet(sections, ongoing, per_handle):
+    """null limits are (engine replicas x max_num_seqs + queue) / ingress replicas, rounded up."""
+    limits = admission_limits(_config(**sections))
+    assert limits.max_ongoing_requests == ongoing
+    assert limits.max_queued_requests_per_handle == per_handle
+
+
+def test_explicit_limit_wins():
+    """A configured max_ongoing_requests is used as is."""
+    limits = admission_limits(_config(ingress={"admission": {"max_ongoing_requests": 7}}))
+    assert limits.max_ongoing_requests == 7
+
+
+def test_engine_replicas_for_capacity_uses_the_fixed_count_or_the_ceiling():
+    """Fixed replicas count as given; autoscaling counts max_replicas; zero counts as one."""
+    assert engine_replicas_for_capacity(_config(replicas={"num_replicas": 3})) == 3
+    assert engine_replicas_for_capacity(_config(replicas={"min_replicas": 0, "max_replicas": 5})) == 5
+    assert engine_replicas_for_capacity(_config(replicas={"num_replicas": 0})) == 1
+
+
+def test_timeout_retry_after_and_retries_pass_through():
+    """The deadline, Retry-After and retry count come from ingress.admission."""
+    limits = admission_limits(_config(ingress={"admission": {
+        "request_timeout_s": 30, "retry_after_s": 5, "max_retries": 0}}))
+    assert (limits.request_timeout_s, limits.retry_after_s, limits.max_retries) == (30, 5, 0)
+    assert admission_limits(_config(ingress={"admission": {"request_timeout_s": None}})).request_timeout_s is None
+
+
+@pytest.mark.parametrize(("sections", "fragment"), [
+    ({"ingress": {"admission": {"max_ongoing_requests": 0}}}, "ingress.admission.max_ongoing_requests: got 0"),
+    ({"ingress": {"admission": {"request_timeout_s": -1}}}, "ingress.admission.request_timeout_s: got -1"),
+    ({"ingress": {"admission": {"max_queue": 3}}}, "did you mean 'max_queued_requests'"),
+    ({"ingress": {"max_messages": 0}}, "ingress.max_messages: got 0"),
+])
+def test_bad_admission_config_names_field_and_value(sections, fragment):
+    """Invalid admission settings fail naming the field and the value."""
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        parse_config(sections)
+
+
+def test_gate_admits_up_to_its_limit_then_refuses():
+    """The gate refuses at once past its limit (no parking) and admits again after a release."""
+    gate = AdmissionGate(2)
+    assert gate.try_enter() and gate.try_enter()
+    assert not gate.try_enter()
+    assert (gate.num_ongoing, gate.num_rejected) == (2, 1)
+    gate.leave()
+    assert gate.try_enter()
+    assert gate.num_ongoing == 2
+
+
+def test_gate_rejects_unbalanced_leave_and_zero_limit():
+    """A release without an admission is a bug, and so is a gate that admits nothing."""
+    with pytest.raises(RuntimeError):
+        AdmissionGate(1).leave()
+    with pytest.raises(ValueError):
+        AdmissionGate(0)
+
+
+def test_deadline_counts_down_on_the_injected_clock():
+    """remaining_s shrinks with the given time and never goes negative; no timeout means None."""
+    deadline = Deadline(10.0, now_s=100.0)
+    assert deadline.remaining_s(100.0) == 10.0
+    assert deadline.remaining_s(107.5) == 2.5
+    assert deadline.remaining_s(200.0) == 0.0
+    assert Deadline(None, now_s=100.0).remaining_s(1e9) is None
+
+
+def test_prompt_char_limit_defaults_to_16_chars_per_context_token():
+    """null max_prompt_chars is 16 x max_model_len; a configured one wins."""
+    assert max_prompt_chars(_config(engine={"max_model_len": 4096})) == 65536
+    assert max_prompt_chars(_config(ingress={"max_prompt_chars": 1000})) == 1000
