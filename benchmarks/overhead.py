@@ -103,7 +103,7 @@ def serve_vllm(kwargs: dict[str, Any], port: int, log_path: Path) -> Iterator[st
 
 
 @contextlib.contextmanager
-def serve_ray_llm(kwargs: dict[str, Any], port: int) -> Iterator[str]:
+def serve_ray_llm(kwargs: dict[str, Any], port: int, gpu: bool = False) -> Iterator[str]:
     import ray
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
@@ -113,11 +113,11 @@ def serve_ray_llm(kwargs: dict[str, Any], port: int) -> Iterator[str]:
         model_loading_config={"model_id": kwargs["served_model_name"], "model_source": kwargs["model"]},
         engine_kwargs=engine_kwargs,
         accelerator_type=None,
-        placement_group_config={"bundles": [{"CPU": 1}]},
+        placement_group_config={"bundles": [{"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}]},
         deployment_config={"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
         log_engine_metrics=True,
     )
-    ray.init(num_cpus=max(4, os.cpu_count() or 1), num_gpus=0, include_dashboard=False)
+    ray.init(num_cpus=max(4, os.cpu_count() or 1), num_gpus=None if gpu else 0, include_dashboard=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_openai_app({"llm_configs": [llm_config]}), name="ray-serve-llm", route_prefix="/",
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         elif server == "vllm":
             ctx = serve_vllm(kwargs, args.port, log_dir / "overhead-vllm.log")
         else:
-            ctx = serve_ray_llm(kwargs, args.port)
+            ctx = serve_ray_llm(kwargs, args.port, gpu=config.resources.device == "gpu")
         try:
             with ctx as base_url:
                 results[server] = measure(base_url, config.model_name, args)

@@ -29,12 +29,14 @@ class _LoadLogger(StatLoggerBase):
         self.load = load
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+        # getattr: these stats classes are not a stable vLLM interface (the `gpu` extra spans
+        # several vLLM releases), and an exception here would break vLLM's output loop.
         if scheduler_stats is not None:
-            self.load.kv_usage_perc = float(scheduler_stats.kv_cache_usage)
-            self.load.num_running = int(scheduler_stats.num_running_reqs)
-            self.load.num_waiting = int(scheduler_stats.num_waiting_reqs)
+            self.load.kv_usage_perc = float(getattr(scheduler_stats, "kv_cache_usage", 0.0))
+            self.load.num_running = int(getattr(scheduler_stats, "num_running_reqs", 0))
+            self.load.num_waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
         if iteration_stats is not None:
-            self.load.num_preemptions_total += int(iteration_stats.num_preempted_reqs)
+            self.load.num_preemptions_total += int(getattr(iteration_stats, "num_preempted_reqs", 0))
 
     def log_engine_initialized(self):
         pass
