@@ -203,6 +203,11 @@ class IngressConfig(_Strict):
 class HttpConfig(_Strict):
     host: str = Field("127.0.0.1", description="Address the Serve HTTP proxy binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI API.")
+    throughput_optimized: bool = Field(
+        True, description="Run Ray Serve in its throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1): "
+                          "user code on the replica's main loop, gRPC between replicas, direct ingress. "
+                          "On an H200 it cut kvtide's TTFT p50 from 35 to 28 ms and ITL p50 at 16 streams "
+                          "from 9.0 to 1.6 ms.")
 
 
 class MetricsConfig(_Strict):

@@ -46,6 +46,9 @@ def start(config: KvtideConfig, *, num_cpus: float | None = None,
     # Ray pushes replica autoscaling stats every 10 s by default; KV pressure builds in
     # seconds, so kvtide's autoscaler reads them every 2 s (workers inherit this env).
     os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "2")
+    if config.http.throughput_optimized:
+        # Read by every Serve process at import: it must be in the environment Ray starts with.
+        os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
     replicas = config.replicas.max_replicas if config.replicas.autoscaling else config.replicas.num_replicas
     cpus = num_cpus or max(float(os.cpu_count() or 1), logical_cpus_needed(config, replicas or 1) + 1)
     ray.init(

@@ -194,6 +194,9 @@ files and the token too).
 {{- define "kvtide.rayEnv" -}}
 - name: HF_HOME
   value: {{ .Values.modelCache.mountPath | quote }}
+{{- /* Process-level Serve mode: every Ray container must agree (kvtide.http.throughput_optimized). */}}
+- name: RAY_SERVE_THROUGHPUT_OPTIMIZED
+  value: {{ ternary "1" "0" (dig "http" "throughput_optimized" true .Values.kvtide) | quote }}
 {{- if .Values.hfToken.secretName }}
 - name: HF_TOKEN
   valueFrom:
