@@ -52,10 +52,10 @@ class Trace:
     high_s: float = 80.0
     tail_s: float = 60.0
     low_rate: float = 0.3
-    high_rate: float = 1.5
+    high_rate: float = 2.5
     probe_interval_s: float = 0.5
     load_prompt_words: int = 600
-    load_output_tokens: int = 128
+    load_output_tokens: int = 160
     hot_prefix_words: int = 500
 
     def phase_at(self, t_s: float) -> str:

@@ -217,6 +217,8 @@ class Ingress:
     def _budget(self, prompt_ids: list[int], requested: int | None, default: int | None) -> int:
         """Output tokens for this request; 400 if prompt + max_tokens cannot fit the context."""
         num_prompt = len(prompt_ids)
+        if num_prompt == 0:
+            raise ApiError(400, "the prompt is empty: it has no tokens", param="prompt", code="invalid_value")
         room = self.max_model_len - num_prompt
         if room <= 0:
             raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens; "
@@ -462,7 +464,8 @@ class Ingress:
         if first_token_s is not None:
             self.metrics.ttft_s.observe(first_token_s - started_s, tags)
         self.metrics.e2e_s.observe(time.perf_counter() - started_s, tags)
-        self.metrics.output_tokens.inc(usage.completion_tokens, tags)
+        if usage.completion_tokens:  # Ray counters refuse increments of 0
+            self.metrics.output_tokens.inc(usage.completion_tokens, tags)
         self.metrics.on_request_done(tags["model"], tags["endpoint"], status)
 
     async def _handle(self, request: Request, endpoint: str) -> Any:

@@ -162,8 +162,10 @@ def _finite(result: list[dict[str, Any]]) -> bool:
 def test_dashboards_and_alerts_return_data_from_a_real_prometheus(cluster, cluster_config, prometheus) -> None:
     """Every panel query and alert signal has data; the catalog equals the scrape; previews are drawn."""
     started_s = time.time()
-    wait_for(lambda: "ray_vllm_num_requests_running" in prometheus.names(), 120, 1.0, "the first engine scrape")
+    # vLLM creates its gauges at an engine's first request: drive traffic first, then wait
+    # (this test may be the first of the session to touch the engines).
     sent = _drive_traffic(cluster)
+    wait_for(lambda: "ray_vllm_num_requests_running" in prometheus.names(), 120, 1.0, "the first engine scrape")
     wait_for(lambda: _finite(prometheus.query("sum(ray_kvtide_requests_total)"))
              and float(prometheus.query("sum(ray_kvtide_requests_total)")[0]["value"][1]) >= sent,
              120, 1.0, f"Prometheus to hold all {sent} finished requests")

@@ -12,6 +12,7 @@ KILL_REQUEST_BOUND_S; the killed replica is replaced within RECOVERY_BOUND_S.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import threading
 import time
@@ -37,6 +38,9 @@ KILL_APP, OVERLOAD_APP = "kvtide-kill", "kvtide-overload"
 KILL_REQUEST_BOUND_S = 120.0
 RECOVERY_BOUND_S = 300.0
 CLIENT_TIMEOUT_S = 60.0
+DEADLINE_S = 10
+WARM_PROMPT_TOKENS = 3500
+SOAK_REQUESTS = 2000
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -128,43 +132,53 @@ _json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.fl
 _json = st.recursive(_json_scalars, lambda inner: st.lists(inner, max_size=4)
                      | st.dictionaries(st.text(max_size=10), inner, max_size=4), max_leaves=12)
 _small_tokens = st.integers(1, 4)
-# Valid-looking values mixed with junk of every JSON type, per field; output stays tiny so
-# requests the server accepts finish fast, and max_tokens is always present so no valid
-# request defaults to the whole context.
-_field_values = {
-    "temperature": st.floats(0, 2) | _json,
-    "top_p": st.floats(0.01, 1) | _json,
-    "seed": st.integers(-(2**63), 2**63 - 1) | st.integers(2**63, 2**80) | _json,
-    "stop": st.text(min_size=1, max_size=8) | st.lists(st.text(max_size=8), max_size=6) | _json,
-    "n": st.just(1) | _json,
-    "stream": st.booleans() | _json,
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | _json,
-    "user": st.text(max_size=20) | _json,
+# Per field: (values the API accepts, junk of every JSON type). Output stays tiny so accepted
+# requests finish fast, and max_tokens is always present so none defaults to the whole context.
+_fields = {
+    "temperature": (st.floats(0, 2), _json),
+    "top_p": (st.floats(0.01, 1), _json),
+    "seed": (st.integers(-(2**63), 2**63 - 1), st.integers(2**63, 2**80) | _json),
+    "stop": (st.text(min_size=1, max_size=8) | st.lists(st.text(min_size=1, max_size=8), max_size=4),
+             st.lists(st.text(max_size=8), min_size=5, max_size=6) | _json),
+    "n": (st.just(1), _json),
+    "stream": (st.booleans(), _json),
+    "user": (st.text(max_size=20), _json),
 }
-_messages = st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "developer", "tool", "wizard"]) | _json,
-     "content": st.text(max_size=200) | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=50)}),
-                                                  max_size=3) | _json},
-    optional={"name": st.text(max_size=10)}), max_size=5) | _json
-_prompt = st.text(max_size=300) | st.lists(st.integers(-5, 9000), max_size=50) | st.lists(st.text(max_size=20), max_size=3) | _json
+_valid_messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "developer", "tool"]),
+     "content": st.text(max_size=200) | st.lists(st.fixed_dictionaries(
+         {"type": st.just("text"), "text": st.text(max_size=50)}), max_size=3)},
+    optional={"name": st.text(max_size=10)}), min_size=1, max_size=5)
+_junk_messages = st.lists(st.fixed_dictionaries({"role": _json, "content": _json}), max_size=3) | _json
+_valid_prompt = st.text(min_size=1, max_size=300) | st.lists(st.integers(0, 7999), min_size=1, max_size=50)
+_junk_prompt = st.lists(st.integers(-5, 10**6), max_size=50) | st.lists(st.text(max_size=20), max_size=3) | _json
 
 
 @st.composite
 def _request(draw, model: str):
+    """A request to a POST endpoint: half well-formed, half with junk fields, raw bytes or non-objects."""
     endpoint = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
-    body: dict = {"model": draw(st.just(model) | st.just(model) | _json)}
+    junk = draw(st.booleans())
+
+    def value(valid, bad):
+        return draw(bad if junk and draw(st.integers(0, 3)) == 0 else valid)
+
+    body: dict = {"model": value(st.just(model), _json)}
     if endpoint == "/v1/completions":
-        body["prompt"] = draw(_prompt)
+        body["prompt"] = value(_valid_prompt, _junk_prompt)
     else:
-        body["messages"] = draw(_messages)
-    token_field = "max_tokens" if endpoint == "/v1/completions" else draw(st.sampled_from(["max_tokens", "max_completion_tokens"]))
-    body[token_field] = draw(_small_tokens | _small_tokens | _json)
-    for name, values in _field_values.items():
+        body["messages"] = value(_valid_messages, _junk_messages)
+    token_field = "max_tokens" if endpoint == "/v1/completions" else draw(
+        st.sampled_from(["max_tokens", "max_completion_tokens"]))
+    body[token_field] = value(_small_tokens, _json)
+    for name, (valid, bad) in _fields.items():
         if draw(st.booleans()):
-            body[name] = draw(values)
+            body[name] = value(valid, bad)
+    if body.get("stream") is True and draw(st.booleans()):
+        body["stream_options"] = value(st.fixed_dictionaries({"include_usage": st.booleans()}), _json)
     if draw(st.integers(0, 9)) == 0:
         body[draw(st.text(min_size=1, max_size=12))] = draw(_json)  # unknown keys are accepted
-    kind = draw(st.sampled_from(["json"] * 8 + ["raw", "not_object"]))
+    kind = draw(st.sampled_from(["json"] * 18 + ["raw", "not_object"])) if junk else "json"
     if kind == "raw":
         return endpoint, draw(st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
     if kind == "not_object":
@@ -198,15 +212,163 @@ def test_fuzzed_requests_never_get_a_5xx_or_hang(cluster):
     total = sum(statuses.values())
     print(f"\nfuzz: {total} requests in {time.monotonic() - started:.0f} s, statuses {dict(sorted(statuses.items()))}")
     assert total >= 1000
-    assert statuses[200] >= 50, "the generator must also produce requests the server accepts"
+    assert statuses[200] >= 200, "the generator must also produce requests the server accepts"
     ok = httpx.get(cluster.base_url + "/health", timeout=10)
     assert ok.status_code == 200
+
+
+# --- soak --------------------------------------------------------------------------------------
+
+
+def _actor_pids() -> list[tuple[str, int]]:
+    """(name, pid) of every live named actor, from Ray's state API."""
+    from ray.util.state import list_actors
+
+    # The address is explicit: other Ray instances may run on this machine (auto-detection refuses then).
+    address = ray.get_runtime_context().gcs_address
+    return [(a.get("name") or "", a["pid"])
+            for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)]
+
+
+def _replica_pids(app: str) -> dict[str, list[int]]:
+    pids: dict[str, list[int]] = {}
+    for name, pid in _actor_pids():
+        for deployment in ("Ingress", "Engine"):
+            if name.startswith(f"SERVE_REPLICA::{app}#{deployment}#"):
+                pids.setdefault(deployment, []).append(pid)
+    return pids
+
+
+def _kv_cache_tokens_per_engine(cluster_config) -> int:
+    """Tokens one engine's KV cache holds: kv_cache_memory_bytes over the demo model's KV bytes per token."""
+    from cluster.demo_model import build_demo_model
+
+    model = json.loads((build_demo_model() / "config.json").read_text())
+    head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+    bytes_per_token = model["num_hidden_layers"] * 2 * model["num_key_value_heads"] * head_dim * 2  # K and V, bf16
+    return cluster_config.engine.kv_cache_memory_bytes // bytes_per_token
+
+
+def _rss_mb(pid: int) -> float:
+    """A replica's RSS with its children (the engine's vLLM EngineCore process), in MiB."""
+    proc = psutil.Process(pid)
+    procs = [proc, *proc.children(recursive=True)]
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 2**20
+
+
+def _soak_cases(model: str, seed: int, n: int) -> list[tuple[str, dict]]:
+    """n requests of mixed prompt lengths (2..400 words), 1..8 output tokens, chat/completions, 1/3 streamed."""
+    import random
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+    rng = random.Random(seed)
+    cases = []
+    for i in range(n):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.choice([2, 8, 32, 128, 400])))
+        body = {"model": model, "max_tokens": rng.randint(1, 8), "stream": i % 3 == 0}
+        cases.append(("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}) if i % 2
+                     else ("/v1/completions", {**body, "prompt": prompt}))
+    return cases
+
+
+def test_soak_2000_mixed_requests_no_errors_kv_drains_and_rss_is_flat(cluster, cluster_config):
+    """2,000 mixed requests at concurrency 64: no unexpected error, KV usage back to 0, replica RSS growth < 5%."""
+    import random
+
+    pids = _replica_pids("kvtide")
+    assert len(pids.get("Engine", [])) == 2 and len(pids.get("Ingress", [])) == 2, pids
+    cases = _soak_cases(cluster.model_name, seed=7, n=SOAK_REQUESTS)
+    samples: list[tuple[int, dict[str, float]]] = []  # (requests finished so far, RSS MiB per deployment and process)
+    finished = [0]
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def sample() -> None:
+        for _ in range(3600):  # bounded: one sample a second, at most an hour
+            if stop.wait(1.0):
+                return
+            rss = {dep: sum(_rss_mb(pid) for pid in dep_pids) for dep, dep_pids in pids.items()}
+            for dep, dep_pids in pids.items():
+                for pid in dep_pids:
+                    rss[f"{dep} actor {pid}"] = psutil.Process(pid).memory_info().rss / 2**20
+                    for child in psutil.Process(pid).children(recursive=True):
+                        try:
+                            rss[f"{dep} child {child.pid} ({child.name()})"] = child.memory_info().rss / 2**20
+                        except psutil.NoSuchProcess:
+                            pass
+            samples.append((finished[0], rss))
+
+    client = httpx.Client(base_url=cluster.base_url, timeout=CLIENT_TIMEOUT_S,
+                          limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+
+    def run(case) -> str:
+        endpoint, body = case
+        try:
+            resp = client.post(endpoint, json=body)
+            ok = resp.status_code == 200 and (not body["stream"] or resp.text.rstrip().endswith("data: [DONE]"))
+            outcome = "ok" if ok else f"http_{resp.status_code}"
+        except httpx.HTTPError as exc:
+            outcome = f"client_exception:{type(exc).__name__}"
+        with lock:
+            finished[0] += 1
+        return outcome
+
+    # Warm-up outside the measurement: first-use allocations are not growth. (1) vLLM
+    # reserves the KV cache up front but its pages become resident when first written:
+    # distinct token ids (prefix caching cannot share them) write 1.5x every engine's
+    # cache. (2) A full run of the same mix (other prompts): the model runner's memory
+    # keeps rising through the first thousands of requests of new shapes (see
+    # benchmarks/results/reliability.md).
+    warm_rng = random.Random(11)
+    cache_tokens = len(pids["Engine"]) * _kv_cache_tokens_per_engine(cluster_config)
+    num_warm = math.ceil(1.5 * cache_tokens / WARM_PROMPT_TOKENS)
+    warm = [("/v1/completions", {"model": cluster.model_name, "max_tokens": 1, "stream": False,
+                                 "prompt": [warm_rng.randrange(100, 7900) for _ in range(WARM_PROMPT_TOKENS)]})
+            for _ in range(num_warm)]
+    warm += _soak_cases(cluster.model_name, seed=8, n=SOAK_REQUESTS)
+    with ThreadPoolExecutor(64) as pool:
+        warm_outcomes = Counter(pool.map(run, warm, timeout=1800))
+    assert warm_outcomes == Counter({"ok": len(warm)}), warm_outcomes
+    finished[0] = 0
+    started = time.monotonic()
+    with ThreadPoolExecutor(65) as pool:
+        sampler = pool.submit(sample)
+        outcomes = Counter(pool.map(run, cases, timeout=1800))
+        stop.set()
+        sampler.result(timeout=60)
+    elapsed_s = time.monotonic() - started
+    client.close()
+
+    wait_for(lambda: metric_sum(cluster.metrics_url, "ray_vllm_num_requests_running") == 0
+             and metric_sum(cluster.metrics_url, "ray_vllm_kv_cache_usage_perc") == 0,
+             60, 1.0, "engines to report zero running requests and zero KV usage")
+    n = len(cases)
+    first = [rss for done, rss in samples if done <= n // 4]
+    last = [rss for done, rss in samples if done >= 3 * n // 4]
+    assert first and last, samples
+    growth = {}
+    for key in sorted(set(first[0]) & set(last[-1])):
+        a, b = statistics.mean(s[key] for s in first if key in s), statistics.mean(s[key] for s in last if key in s)
+        growth[key] = (a, b, (b - a) / a)
+    print(f"\nsoak: {n} requests in {elapsed_s:.0f} s ({n / elapsed_s:.1f} req/s) at concurrency 64: {dict(outcomes)}; "
+          f"warm-up {len(warm)} requests ({num_warm} x {WARM_PROMPT_TOKENS} tokens for {cache_tokens} KV tokens); "
+          f"{len(samples)} RSS samples ({len(first)} first quarter, {len(last)} last)\n"
+          + "\n".join(f"  RSS {key}: {a:.0f} -> {b:.0f} MiB ({g:+.2%})" for key, (a, b, g) in growth.items()))
+    assert outcomes == Counter({"ok": n}), outcomes
+    for dep in pids:
+        assert growth[dep][2] < 0.05, f"{dep} RSS grew {growth[dep][2]:.1%} from the first to the last quarter"
 
 
 # --- a replica dies mid-stream -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def kill_app(cluster, cluster_config):
     _deploy(cluster_config, KILL_APP, ["replicas.num_replicas=2", "ingress.num_replicas=1"])
     try:
@@ -230,6 +392,8 @@ def test_killed_engine_replica_ends_streams_cleanly_and_the_fleet_recovers(kill_
         victim_id = replicas.most_common(1)[0][0]
         names = _engine_actor_names(KILL_APP)
         victim = next(n for n in names if n.endswith(victim_id))
+        victim_pid = next(pid for name, pid in _actor_pids() if name == victim)
+        victim_children = psutil.Process(victim_pid).children(recursive=True)  # vLLM's EngineCore
         killed_at = time.monotonic()
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
 
@@ -249,13 +413,22 @@ def test_killed_engine_replica_ends_streams_cleanly_and_the_fleet_recovers(kill_
         assert resp.status_code == 200, resp.text
         assert resp.headers["x-kvtide-replica"] != victim_id
 
-    wait_for(lambda: _running_engines(KILL_APP) == 2 and victim not in _engine_actor_names(KILL_APP),
-             RECOVERY_BOUND_S, 1.0, "Serve to replace the killed engine replica")
+    # Serve first notices the death (fewer than 2 RUNNING), then starts a replacement.
+    wait_for(lambda: _running_engines(KILL_APP) < 2, 60, 0.2, "Serve to notice the killed replica")
+    detected_s = time.monotonic() - killed_at
+    wait_for(lambda: _running_engines(KILL_APP) == 2, RECOVERY_BOUND_S, 0.5,
+             "Serve to replace the killed engine replica")
     recovery_s = time.monotonic() - killed_at
+    names_after = _engine_actor_names(KILL_APP)
     ok = client.post("/v1/completions", json={"model": KILL_APP, "prompt": "recovered", "max_tokens": 4})
     client.close()
-    print(f"kill: full replica count (2 RUNNING) again {recovery_s:.1f} s after the kill")
+    print(f"kill: Serve saw the death after {detected_s:.1f} s; full replica count (2 RUNNING) again "
+          f"{recovery_s:.1f} s after the kill")
+    assert victim not in names_after and len(names_after) == 2, names_after
     assert ok.status_code == 200, ok.text
+    # The killed replica's engine processes do not outlive it (vLLM's EngineCore watches its parent).
+    wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in victim_children),
+             60, 0.5, "the killed replica's EngineCore process to exit")
 
 
 # --- overload and deadlines --------------------------------------------------------------------
@@ -263,10 +436,10 @@ def test_killed_engine_replica_ends_streams_cleanly_and_the_fleet_recovers(kill_
 
 @pytest.fixture(scope="module")
 def overload_app(cluster, cluster_config):
-    # One engine of 4 sequences, a fleet queue of 4: the ingress admits 8 at once. A 20 s deadline.
+    # One engine of 4 sequences, a fleet queue of 4: the ingress admits 8 at once. A 10 s deadline.
     _deploy(cluster_config, OVERLOAD_APP, [
         "replicas.num_replicas=1", "ingress.num_replicas=1", "engine.max_num_seqs=4",
-        "ingress.admission.max_queued_requests=4", "ingress.admission.request_timeout_s=20",
+        "ingress.admission.max_queued_requests=4", f"ingress.admission.request_timeout_s={DEADLINE_S}",
         "ingress.admission.retry_after_s=2"])
     try:
         yield cluster.base_url + f"/{OVERLOAD_APP}"
@@ -334,112 +507,10 @@ def test_request_past_its_deadline_gets_504_or_an_sse_timeout_event(overload_app
         resp = client.post("/v1/completions", json=body)
         plain_s = time.monotonic() - started
         result = _stream(client, "/v1/completions", {**body, "stream": True}, StreamResult())
-    print(f"\ndeadline (20 s): non-streaming answered {resp.status_code} after {plain_s:.1f} s; "
+    print(f"\ndeadline ({DEADLINE_S} s): non-streaming answered {resp.status_code} after {plain_s:.1f} s; "
           f"stream ended {result.outcome} after {result.elapsed_s:.1f} s")
     if resp.status_code == 200:  # the model hit EOS before the deadline: nothing to time out
-        pytest.skip(f"the demo model finished {resp.json()['usage']['completion_tokens']} tokens within 20 s")
+        pytest.skip(f"the demo model finished {resp.json()['usage']['completion_tokens']} tokens within {DEADLINE_S} s")
     assert resp.status_code == 504, resp.text
-    assert resp.json()["error"]["code"] == "timeout" and 19 <= plain_s < 30
-    assert result.outcome == "sse_error:timeout" and result.elapsed_s < 30
-
-
-# --- soak --------------------------------------------------------------------------------------
-
-
-def _replica_pids(app: str) -> dict[str, list[int]]:
-    from ray.util.state import list_actors
-
-    pids: dict[str, list[int]] = {}
-    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
-        name = actor.get("name") or ""
-        for deployment in ("Ingress", "Engine"):
-            if name.startswith(f"SERVE_REPLICA::{app}#{deployment}#"):
-                pids.setdefault(deployment, []).append(actor["pid"])
-    return pids
-
-
-def _rss_mb(pid: int) -> float:
-    """A replica's RSS with its children (the engine's vLLM EngineCore process), in MiB."""
-    proc = psutil.Process(pid)
-    procs = [proc, *proc.children(recursive=True)]
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total / 2**20
-
-
-def test_soak_2000_mixed_requests_no_errors_kv_drains_and_rss_is_flat(cluster):
-    """2,000 mixed requests at concurrency 64: no unexpected error, KV usage back to 0, replica RSS growth < 5%."""
-    import random
-
-    pids = _replica_pids("kvtide")
-    assert len(pids.get("Engine", [])) == 2 and len(pids.get("Ingress", [])) == 2, pids
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
-    rng = random.Random(7)
-    cases = []
-    for i in range(2000):
-        prompt = " ".join(rng.choice(words) for _ in range(rng.choice([2, 8, 32, 128, 400])))
-        body = {"model": cluster.model_name, "max_tokens": rng.randint(1, 8), "stream": i % 3 == 0}
-        cases.append(("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}) if i % 2
-                     else ("/v1/completions", {**body, "prompt": prompt}))
-
-    samples: list[tuple[int, dict[str, float]]] = []  # (requests finished so far, rss per deployment)
-    finished = [0]
-    lock = threading.Lock()
-    stop = threading.Event()
-
-    def sample() -> None:
-        for _ in range(3600):  # bounded: one sample a second, at most an hour
-            if stop.wait(1.0):
-                return
-            rss = {dep: sum(_rss_mb(pid) for pid in dep_pids) for dep, dep_pids in pids.items()}
-            samples.append((finished[0], rss))
-
-    client = httpx.Client(base_url=cluster.base_url, timeout=CLIENT_TIMEOUT_S,
-                          limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
-
-    def run(case) -> str:
-        endpoint, body = case
-        try:
-            resp = client.post(endpoint, json=body)
-            ok = resp.status_code == 200 and (not body["stream"] or resp.text.rstrip().endswith("data: [DONE]"))
-            outcome = "ok" if ok else f"http_{resp.status_code}"
-        except httpx.HTTPError as exc:
-            outcome = f"client_exception:{type(exc).__name__}"
-        with lock:
-            finished[0] += 1
-        return outcome
-
-    # Warm-up outside the measurement: first-use allocations are not growth.
-    with ThreadPoolExecutor(64) as pool:
-        list(pool.map(run, cases[:128]))
-    finished[0] = 0
-    started = time.monotonic()
-    with ThreadPoolExecutor(65) as pool:
-        sampler = pool.submit(sample)
-        outcomes = Counter(pool.map(run, cases, timeout=1800))
-        stop.set()
-        sampler.result(timeout=60)
-    elapsed_s = time.monotonic() - started
-    client.close()
-
-    wait_for(lambda: metric_sum(cluster.metrics_url, "ray_vllm_num_requests_running") == 0
-             and metric_sum(cluster.metrics_url, "ray_vllm_kv_cache_usage_perc", model_name=cluster.model_name) == 0,
-             60, 1.0, "engines to report zero running requests and zero KV usage")
-    n = len(cases)
-    first = [rss for done, rss in samples if done <= n // 4]
-    last = [rss for done, rss in samples if done >= 3 * n // 4]
-    growth = {}
-    for dep in pids:
-        a, b = statistics.mean(s[dep] for s in first), statistics.mean(s[dep] for s in last)
-        growth[dep] = (a, b, (b - a) / a)
-    print(f"\nsoak: {n} requests in {elapsed_s:.0f} s ({n / elapsed_s:.1f} req/s) at concurrency 64: {dict(outcomes)}; "
-          + "; ".join(f"{dep} RSS {a:.0f} -> {b:.0f} MiB ({g:+.2%})" for dep, (a, b, g) in growth.items())
-          + f"; {len(samples)} samples ({len(first)} first quarter, {len(last)} last)")
-    assert outcomes == Counter({"ok": n}), outcomes
-    assert first and last
-    for dep, (_, _, g) in growth.items():
-        assert g < 0.05, f"{dep} RSS grew {g:.1%} from the first to the last quarter"
+    assert resp.json()["error"]["code"] == "timeout" and DEADLINE_S - 0.5 <= plain_s < DEADLINE_S + 10
+    assert result.outcome == "sse_error:timeout" and result.elapsed_s < DEADLINE_S + 10
