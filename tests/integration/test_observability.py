@@ -162,10 +162,11 @@ def _finite(result: list[dict[str, Any]]) -> bool:
 def test_dashboards_and_alerts_return_data_from_a_real_prometheus(cluster, cluster_config, prometheus) -> None:
     """Every panel query and alert signal has data; the catalog equals the scrape; previews are drawn."""
     started_s = time.time()
-    # vLLM creates its gauges at an engine's first request: drive traffic first, then wait
-    # (this test may be the first of the session to touch the engines).
+    # Prometheus must be scraping before the traffic, or it sees only flat counters (rate 0).
+    wait_for(lambda: "ray_serve_deployment_replica_healthy" in prometheus.names(), 120, 1.0, "the first scrape")
     sent = _drive_traffic(cluster)
-    wait_for(lambda: "ray_vllm_num_requests_running" in prometheus.names(), 120, 1.0, "the first engine scrape")
+    # vLLM creates its gauges at an engine's first request (this test may be the session's first).
+    wait_for(lambda: "ray_vllm_num_requests_running" in prometheus.names(), 120, 1.0, "the engines' gauges")
     wait_for(lambda: _finite(prometheus.query("sum(ray_kvtide_requests_total)"))
              and float(prometheus.query("sum(ray_kvtide_requests_total)")[0]["value"][1]) >= sent,
              120, 1.0, f"Prometheus to hold all {sent} finished requests")
@@ -230,7 +231,10 @@ def test_dashboards_and_alerts_return_data_from_a_real_prometheus(cluster, clust
         if not set(entry.series) <= scraped:
             failures.append(f"catalogued but not scraped: {entry.name}")
 
-    _render_previews(prometheus, started_s - 30, time.time())
+    # More traffic rounds before drawing, so the previews show curves rather than a point or two.
+    for _ in range(4):
+        _drive_traffic(cluster)
+    _render_previews(prometheus, started_s, time.time())
     print("\nnot checked on this cluster:\n  " + "\n  ".join(skipped))
     assert not failures, "\n".join(failures)
 
@@ -243,7 +247,7 @@ def _render_previews(prom: Prom, start: float, end: float) -> None:
     import matplotlib.pyplot as plt
 
     PREVIEWS.mkdir(parents=True, exist_ok=True)
-    step_s = max(2.0, (end - start) / 200)
+    step_s = max(1.0, (end - start) / 200)
     for spec in build.dashboard_specs():
         panels = [p for p in spec.panels() if p.preview][:6]
         cols = 3
@@ -255,7 +259,8 @@ def _render_previews(prom: Prom, start: float, end: float) -> None:
                     points = [(float(t) - start, float(v)) for t, v in series["values"] if math.isfinite(float(v))]
                     if points:
                         label = _legend(query.legend, series["metric"])
-                        ax.plot(*zip(*points), label=label, linewidth=1.2)
+                        # Markers: a short test window may give a series only a few points.
+                        ax.plot(*zip(*points), label=label, linewidth=1.2, marker="o", markersize=2.5)
             ax.set_title(panel.title, fontsize=10)
             ax.set_xlabel("s", fontsize=8)
             ax.set_ylabel(panel.unit, fontsize=8)
