@@ -509,8 +509,8 @@ def test_request_past_its_deadline_gets_504_or_an_sse_timeout_event(overload_app
         result = _stream(client, "/v1/completions", {**body, "stream": True}, StreamResult())
     print(f"\ndeadline ({DEADLINE_S} s): non-streaming answered {resp.status_code} after {plain_s:.1f} s; "
           f"stream ended {result.outcome} after {result.elapsed_s:.1f} s")
-    if resp.status_code == 200:  # the model hit EOS before the deadline: nothing to time out
-        pytest.skip(f"the demo model finished {resp.json()['usage']['completion_tokens']} tokens within {DEADLINE_S} s")
+    # Greedy decoding of 4,000 tokens takes longer than the deadline on this CPU (~2.5 ms/token):
+    # a 200 here means the deadline did not fire, which is a failure, not a reason to skip.
     assert resp.status_code == 504, resp.text
     assert resp.json()["error"]["code"] == "timeout" and DEADLINE_S - 0.5 <= plain_s < DEADLINE_S + 10
     assert result.outcome == "sse_error:timeout" and result.elapsed_s < DEADLINE_S + 10
