@@ -19,12 +19,16 @@ FROM ${RAY_IMAGE}
 # Same bounds as pyproject.toml's `gpu` extra and its ray pin.
 RUN pip install --no-cache-dir "vllm>=0.26,<0.34" "ray[serve]==2.60.0"
 
-WORKDIR /home/ray/kvtide
-COPY --chown=ray:users . .
+# Install from a copy of the source and delete it: a `kvtide/` folder in the working
+# directory would shadow the installed package (it holds only the namespace root; the
+# subpackages live in the sibling folders, mapped by pyproject.toml).
+COPY --chown=ray:users . /tmp/kvtide-src
 # Installs kvtide with the gpu extra; everything heavy is already satisfied above.
-RUN pip install --no-cache-dir ".[gpu]" "ray[serve]==2.60.0" \
-    && python -c "import importlib.util as u, ray; assert u.find_spec('cluster.app'), 'cluster.app missing'; assert ray.__version__ == '2.60.0', ray.__version__"
+RUN pip install --no-cache-dir "/tmp/kvtide-src[gpu]" "ray[serve]==2.60.0" \
+    && rm -rf /tmp/kvtide-src \
+    && python -c "import importlib.util as u, ray; assert u.find_spec('kvtide.cluster.app'), 'kvtide.cluster.app missing'; assert ray.__version__ == '2.60.0', ray.__version__"
+WORKDIR /home/ray
 
-# KubeRay generates the `ray start` command; Serve imports cluster.app:build_app from the
+# KubeRay generates the `ray start` command; Serve imports kvtide.cluster.app:build_app from the
 # installed package. Weights go to HF_HOME, which the chart mounts (modelCache).
 ENV HF_HOME=/models

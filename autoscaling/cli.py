@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from autoscaling.capacity import (
+from kvtide.autoscaling.capacity import (
     DEFAULT_ACTIVATION_RESERVE_GIB,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MIN_FULL_CONTEXT_REQUESTS,

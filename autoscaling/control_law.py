@@ -44,7 +44,8 @@ Signals (per running replica, `ReplicaStats`), all over the look-back window:
 - `num_preemptions`   preemptions *within the window* (a delta, not the engine's
                       cumulative counter; the Ray adapter differences the counter).
 
-Tunables (`LawTunables`; defaults a GPU operator would accept):
+Tunables (`kvtide.config.AutoscalingSettings`, the config's `autoscaling:` section, declared
+once there; its validation keeps lower < target < upper; defaults a GPU operator would accept):
 - `target_kv_perc` = 0.7       KV utilization a scale-up sizes for: desired =
                                ceil(load_kv / target_kv_perc). Leaves ~30% of blocks for
                                prefix-cache hits and decode growth.
@@ -78,6 +79,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
+
+from kvtide.config import AutoscalingSettings
 
 Reason = Literal["kv_high", "queueing", "preemption", "kv_low", "bounds", "hold"]
 REASONS: tuple[Reason, ...] = ("kv_high", "queueing", "preemption", "kv_low", "bounds", "hold")
@@ -128,31 +131,6 @@ class LawState:
     def from_dict(cls, data: dict[str, Any] | None) -> "LawState":
         data = data or {}
         return cls(pressure_since_s=data.get("pressure_since_s"), slack_since_s=data.get("slack_since_s"))
-
-
-@dataclass(frozen=True)
-class LawTunables:
-    """The law's knobs; see the module docstring for each one's meaning and default."""
-
-    target_kv_perc: float = 0.7
-    upper_kv_perc: float = 0.85
-    lower_kv_perc: float = 0.6
-    upscale_delay_s: float = 30.0
-    downscale_delay_s: float = 300.0
-    max_step: int = 2
-    upscale_waiting_per_replica: float = 2.0
-    upscale_preemptions_per_replica: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.lower_kv_perc < self.target_kv_perc < self.upper_kv_perc <= 1.0:
-            raise ValueError(
-                f"need 0 < lower_kv_perc ({self.lower_kv_perc}) < target_kv_perc ({self.target_kv_perc}) "
-                f"< upper_kv_perc ({self.upper_kv_perc}) <= 1"
-            )
-        if self.max_step < 1:
-            raise ValueError(f"max_step={self.max_step} must be >= 1")
-        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
-            raise ValueError("upscale_delay_s and downscale_delay_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -219,7 +197,7 @@ def _observe(context: LawContext) -> _Observation:
     )
 
 
-def _pressure(context: LawContext, obs: _Observation, tunables: LawTunables,
+def _pressure(context: LawContext, obs: _Observation, tunables: AutoscalingSettings,
               projected_kv: float | None) -> Reason | None:
     """The most severe reason to add replicas now, or None. Severity: preemption > queueing > kv_high."""
     num_running = max(context.num_running_replicas, 1)
@@ -233,7 +211,7 @@ def _pressure(context: LawContext, obs: _Observation, tunables: LawTunables,
     return None
 
 
-def _slack(context: LawContext, obs: _Observation, tunables: LawTunables,
+def _slack(context: LawContext, obs: _Observation, tunables: AutoscalingSettings,
            one_fewer_kv: float | None) -> bool:
     """True when the deployment would stay cool with one replica fewer."""
     if context.num_starting_replicas or obs.mean_kv_usage_perc is None:
@@ -245,12 +223,12 @@ def _slack(context: LawContext, obs: _Observation, tunables: LawTunables,
     return one_fewer_kv is not None and one_fewer_kv < tunables.lower_kv_perc
 
 
-def _up_step(context: LawContext, obs: _Observation, tunables: LawTunables) -> int:
+def _up_step(context: LawContext, obs: _Observation, tunables: AutoscalingSettings) -> int:
     sized_for_target = math.ceil(obs.load_kv / tunables.target_kv_perc - 1e-9)
     return min(max(1, sized_for_target - context.num_current_replicas), tunables.max_step)
 
 
-def _down_step(context: LawContext, obs: _Observation, tunables: LawTunables) -> int:
+def _down_step(context: LawContext, obs: _Observation, tunables: AutoscalingSettings) -> int:
     n = context.num_running_replicas
     if n == 1:
         return 1
@@ -261,7 +239,7 @@ def _down_step(context: LawContext, obs: _Observation, tunables: LawTunables) ->
     return step
 
 
-def decide(context: LawContext, state: LawState, tunables: LawTunables) -> tuple[int, LawState, Decision]:
+def decide(context: LawContext, state: LawState, tunables: AutoscalingSettings) -> tuple[int, LawState, Decision]:
     """One tick of the law: desired replica count (running + starting), next state, decision."""
     # observe
     obs = _observe(context)
@@ -320,4 +298,4 @@ def decide(context: LawContext, state: LawState, tunables: LawTunables) -> tuple
     return desired, next_state, decision
 
 
-__all__ = ["REASONS", "Decision", "LawContext", "LawState", "LawTunables", "Reason", "ReplicaStats", "decide"]
+__all__ = ["REASONS", "Decision", "LawContext", "LawState", "Reason", "ReplicaStats", "decide"]

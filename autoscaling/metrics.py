@@ -16,7 +16,7 @@ one per process.
 
 from __future__ import annotations
 
-from autoscaling.control_law import Decision
+from kvtide.autoscaling.control_law import Decision
 
 _TAGS = ("deployment", "application")
 

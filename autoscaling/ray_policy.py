@@ -22,52 +22,26 @@ Ray Serve 2.60's custom policy contract, as the installed source has it
       ctx.raw_metrics[key][replica_id]        -> [TimeStampedValue(timestamp, value), ...]
   for running replicas that have reported at least once.
 
-Metric keys a replica reports (`replica_autoscaling_stats`):
-
-    kvtide_kv_usage_perc           share of KV blocks in use, 0..1 (vLLM's kv_cache_usage)
-    kvtide_num_waiting             requests waiting in the scheduler queue now
-    kvtide_num_running             requests the engine is running now
-    kvtide_num_preemptions_total   preemptions since the engine started (monotone counter;
-                                   this adapter differences it over the raw window)
-
-The `kvtide_` prefix keeps them apart from Ray's own key in the same report
-(`running_requests`).
+The metric keys a replica reports are defined in `kvtide.autoscaling.replica_stats`
+(the engine imports that pure module, not this adapter).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
 from typing import Any
 
-from autoscaling.config import AutoscalingSettings
-from autoscaling.control_law import Decision, LawContext, LawState, LawTunables, ReplicaStats, decide
-from autoscaling.metrics import autoscaler_metrics
+from kvtide.autoscaling.control_law import Decision, LawContext, LawState, ReplicaStats, decide
+from kvtide.autoscaling.metrics import autoscaler_metrics
+from kvtide.autoscaling.replica_stats import KV_USAGE_KEY, NUM_PREEMPTIONS_TOTAL_KEY, NUM_RUNNING_KEY, NUM_WAITING_KEY
+from kvtide.config import AutoscalingSettings
 
 # A child of Ray Serve's logger, so the lines land in the controller's log file.
 logger = logging.getLogger("ray.serve.kvtide.autoscaler")
 
-KV_USAGE_KEY = "kvtide_kv_usage_perc"
-NUM_WAITING_KEY = "kvtide_num_waiting"
-NUM_RUNNING_KEY = "kvtide_num_running"
-NUM_PREEMPTIONS_TOTAL_KEY = "kvtide_num_preemptions_total"
-METRIC_KEYS = (KV_USAGE_KEY, NUM_WAITING_KEY, NUM_RUNNING_KEY, NUM_PREEMPTIONS_TOTAL_KEY)
-
 POLICY_STATE_KEY = "kvtide_law"
-KV_POLICY_PATH = "autoscaling.ray_policy:KvPolicy"
-
-
-def replica_autoscaling_stats(
-    kv_usage_perc: float, num_waiting: int, num_running: int, num_preemptions_total: int
-) -> dict[str, float]:
-    """What an engine replica's `record_autoscaling_stats()` returns (keys in the module docstring)."""
-    return {
-        KV_USAGE_KEY: min(max(float(kv_usage_perc), 0.0), 1.0),
-        NUM_WAITING_KEY: float(max(num_waiting, 0)),
-        NUM_RUNNING_KEY: float(max(num_running, 0)),
-        NUM_PREEMPTIONS_TOTAL_KEY: float(max(num_preemptions_total, 0)),
-    }
+KV_POLICY_PATH = "kvtide.autoscaling.ray_policy:KvPolicy"
 
 
 def _counter_delta(series: Any, since_s: float) -> float:
@@ -119,8 +93,9 @@ class KvPolicy:
     observe (context → LawContext) → decide (control law) → apply (log, metrics, return).
     """
 
-    def __init__(self, **tunables: Any) -> None:
-        self.tunables = LawTunables(**tunables)
+    def __init__(self, **settings: Any) -> None:
+        # Ray hands over plain data (policy_kwargs); validate it back into the one model.
+        self.tunables = AutoscalingSettings.model_validate(settings)
         self._last_logged: tuple | None = None
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
@@ -170,6 +145,6 @@ def autoscaling_config(settings: AutoscalingSettings, min_replicas: int, max_rep
         # The law owns the delays; Ray's delay logic runs after the policy and must not add its own.
         upscale_delay_s=0.0,
         downscale_delay_s=0.0,
-        policy={"policy_function": KV_POLICY_PATH, "policy_kwargs": asdict(settings.law_tunables())},
+        policy={"policy_function": KV_POLICY_PATH, "policy_kwargs": settings.model_dump(mode="json")},
     )
     return config

@@ -1,15 +1,15 @@
-"""`python -m benchmarks bench ...`: the bench commands without the kvtide CLI (same flags)."""
+"""`python -m kvtide.benchmarks bench ...`: the bench commands without the kvtide CLI (same flags)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from benchmarks.cli import register
+from kvtide.benchmarks.cli import register
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks")
+    parser = argparse.ArgumentParser(prog="python -m kvtide.benchmarks")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     try:

@@ -1,6 +1,6 @@
 """Step-load trace against the same cluster config: kvtide's KV policy vs Ray's queue-length policy.
 
-    .venv/bin/python -m benchmarks.autoscale --out benchmarks/results/autoscale.md
+    .venv/bin/python -m kvtide.benchmarks.autoscale --out benchmarks/results/autoscale.md
 
 Variants (one local cluster each, started and stopped in turn, same config otherwise):
 - kv            autoscaling.policy=kv, warm start on (kvtide's default)
@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.report import percentile
+from kvtide.benchmarks.report import percentile
 
 VARIANTS = {
     "kv": ["autoscaling.policy=kv", "autoscaling.warm_start.enabled=true"],
@@ -177,9 +177,9 @@ def summarize_run(result: RunResult, trace: Trace) -> dict[str, Any]:
 
 
 def run_variant(variant: str, base_overrides: list[str], trace: Trace, port: int, seed: int) -> dict[str, Any]:
-    from cluster import local
-    from cluster.config import load_config
-    from cluster.cli import _default_config_path
+    from kvtide.cluster import local
+    from kvtide.config import load_config
+    from kvtide.cluster.cli import _default_config_path
 
     config = load_config(_default_config_path(), [*base_overrides, *VARIANTS[variant], f"http.port={port}"])
     print(f"autoscale: {variant}: starting ...", flush=True)
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         "autoscaling.max_step=1",
     ]
     summaries = [run_variant(v, overrides, trace, args.port, args.seed) for v in args.variants.split(",")]
-    report = markdown(summaries, trace, "python -m benchmarks.autoscale " + " ".join(argv or sys.argv[1:]), overrides)
+    report = markdown(summaries, trace, "python -m kvtide.benchmarks.autoscale " + " ".join(argv or sys.argv[1:]), overrides)
     print(report)
     if args.out:
         with open(args.out, "w") as fh:

@@ -26,9 +26,9 @@ from typing import Any
 
 import httpx
 
-from benchmarks.loadgen import DEFAULT_REQUEST_TIMEOUT_S, LoadResult, run_load
-from benchmarks.report import MetricsSample, build_run_report, metrics_delta, parse_metrics
-from benchmarks.workloads import (
+from kvtide.benchmarks.loadgen import DEFAULT_REQUEST_TIMEOUT_S, LoadResult, run_load
+from kvtide.benchmarks.report import MetricsSample, build_run_report, metrics_delta, parse_metrics
+from kvtide.benchmarks.workloads import (
     DEFAULT_TOKENS_PER_WORD,
     WORKLOAD_PARAMS,
     Workload,
@@ -203,10 +203,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from benchmarks.plots import write_plots
-    from benchmarks.report import RequestResult, compare_markdown
-    from cluster import local
-    from cluster.config import load_config
+    from kvtide.benchmarks.plots import write_plots
+    from kvtide.benchmarks.report import RequestResult, compare_markdown
+    from kvtide.cluster import local
+    from kvtide.config import load_config
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:

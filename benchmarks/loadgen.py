@@ -28,8 +28,8 @@ from urllib.parse import urlparse
 
 import httpx
 
-from benchmarks.report import RequestResult
-from benchmarks.workloads import BenchRequest
+from kvtide.benchmarks.report import RequestResult
+from kvtide.benchmarks.workloads import BenchRequest
 
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 _LOOPBACK_NAMES = {"localhost"}

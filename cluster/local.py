@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from cluster.config import KvtideConfig
-from cluster.placement import logical_cpus_needed
+from kvtide.config import KvtideConfig
+from kvtide.deployments.placement import logical_cpus_needed
 
 logger = logging.getLogger("kvtide.local")
 
@@ -41,14 +41,12 @@ def start(config: KvtideConfig, *, num_cpus: float | None = None,
     import ray
     from ray import serve
 
-    from cluster.app import build_from_config
+    from kvtide.cluster.app import build_from_config
 
-    # Ray pushes replica autoscaling stats every 10 s by default; KV pressure builds in
-    # seconds, so kvtide's autoscaler reads them every 2 s (workers inherit this env).
-    os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "2")
-    if config.http.throughput_optimized:
-        # Read by every Serve process at import: it must be in the environment Ray starts with.
-        os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+    # Read by every Serve process at import: they must be in the environment Ray starts
+    # with (workers inherit it). The Helm chart sets the same on every Ray container.
+    for name, value in config.ray_process_env().items():
+        os.environ.setdefault(name, value)
     replicas = config.replicas.max_replicas if config.replicas.autoscaling else config.replicas.num_replicas
     cpus = num_cpus or max(float(os.cpu_count() or 1), logical_cpus_needed(config, replicas or 1) + 1)
     ray.init(

@@ -1,6 +1,6 @@
 """The Ray Serve config document of a kvtide cluster (what `serve deploy` and KubeRay read).
 
-One application, `cluster.app:build_app`, whose `args` are the kvtide config itself: the
+One application, `kvtide.cluster.app:build_app`, whose `args` are the kvtide config itself: the
 app builder parses them back with `parse_config`, so a config file, `kvtide serve`, a
 `serve deploy` of this document and the Helm chart's `serveConfigV2` all start the same
 cluster. The chart renders the same structure in helm/kvtide/templates/_helpers.tpl
@@ -13,10 +13,10 @@ from typing import Any
 
 import yaml
 
-from cluster.config import KvtideConfig, config_to_dict
+from kvtide.config import KvtideConfig, config_to_dict
 
 APP_NAME = "kvtide"
-APP_IMPORT_PATH = "cluster.app:build_app"
+APP_IMPORT_PATH = "kvtide.cluster.app:build_app"
 
 
 def serve_config(config: KvtideConfig) -> dict[str, Any]:

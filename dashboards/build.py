@@ -1,6 +1,6 @@
 """kvtide's Grafana dashboards as code, and the generator of every committed artifact.
 
-    python -m dashboards.build      # rewrites dashboards/generated/, the chart's copies, docs/metrics.md
+    python -m kvtide.dashboards.build      # rewrites dashboards/generated/, the chart's copies, docs/metrics.md
 
 Four dashboards, each answering one SRE question:
 
@@ -36,8 +36,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dashboards.catalog import ENGINE_DEPLOYMENT, REPO_ROOT
-from dashboards.panels import (
+from kvtide.dashboards.catalog import ENGINE_DEPLOYMENT, REPO_ROOT
+from kvtide.dashboards.panels import (
     DashboardSpec,
     PanelSpec,
     Query,
@@ -46,7 +46,7 @@ from dashboards.panels import (
     optional,
     render,
 )
-from dashboards.promql import Selectors, quantile, rate_sum
+from kvtide.dashboards.promql import Selectors, quantile, rate_sum
 
 GENERATED_DIR = REPO_ROOT / "dashboards" / "generated"
 CHART_DASHBOARDS_DIR = REPO_ROOT / "helm" / "kvtide" / "dashboards"
@@ -290,7 +290,7 @@ def write_dashboards(directory: Path) -> list[Path]:
 
 def generate() -> list[Path]:
     """Rewrite every committed artifact: dashboards (both copies), alert rules, docs/metrics.md."""
-    from dashboards import alerts, docs
+    from kvtide.dashboards import alerts, docs
 
     for stale in [*GENERATED_DIR.glob("*.json"), *CHART_DASHBOARDS_DIR.glob("*.json")]:
         stale.unlink()

@@ -37,7 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RAY_LABELS = ("Component", "NodeAddress", "SessionName", "Version", "WorkerId")
 # Labels vLLM's RayPrometheusStatLogger puts on every engine series (ReplicaId: the Serve replica).
 VLLM_LABELS = ("model_name", "engine", "ReplicaId")
-# kvtide's engine deployment name (cluster.app.ENGINE_DEPLOYMENT; a unit test pins the two equal).
+# kvtide's engine deployment name (kvtide.deployments.names.ENGINE_DEPLOYMENT; a unit test pins the two equal).
 ENGINE_DEPLOYMENT = "Engine"
 
 

@@ -31,8 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from dashboards.build import build_all
-    from dashboards.grafana_push import PushError, push_dashboards
+    from kvtide.dashboards.build import build_all
+    from kvtide.dashboards.grafana_push import PushError, push_dashboards
 
     if args.token and args.user:
         print("kvtide: give either --token or --user/--password, not both", file=sys.stderr)
@@ -52,7 +52,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dashboards.build import write_dashboards
+    from kvtide.dashboards.build import write_dashboards
 
     for path in write_dashboards(args.dir):
         print(path)

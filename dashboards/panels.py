@@ -25,7 +25,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common as gcommon
 from grafana_foundation_sdk.models import dashboard as gmodel
 
-from dashboards.catalog import has
+from kvtide.dashboards.catalog import has
 
 DATASOURCE = gmodel.DataSourceRef(type_val="prometheus", uid="${datasource}")
 

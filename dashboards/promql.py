@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from dashboards.catalog import Kind, metric
+from kvtide.dashboards.catalog import Kind, metric
 
 # Series Prometheus makes up itself; queries may use them beside the catalog's.
 PROMETHEUS_SYNTHETIC = frozenset({"up"})

@@ -18,7 +18,7 @@ once with an answer the client can act on, and nothing waits without limit:
    engine replica) that waits inside the engines' own schedulers. With autoscaling the
    engine count is `max_replicas`: the fleet the gate must not starve once scaled up.
 2. The handle queue (Ray Serve's `max_queued_requests` on the Engine deployment, set by
-   cluster.app): requests waiting for a replica slot at one ingress's handle. It only fills
+   kvtide.cluster.app): requests waiting for a replica slot at one ingress's handle. It only fills
    when engines are missing (a replica died, the autoscaler has not caught up), and then
    the handle raises `BackPressureError`, which the ingress also answers with 429.
 3. The deadline: `request_timeout_s` from arrival to the last byte. Before the first byte
@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cluster.config import KvtideConfig
+from kvtide.config import KvtideConfig
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class AdmissionLimits:
     """The numbers one ingress replica enforces, derived once from the config.
 
     Why a boundary type: the same derivation sizes the ingress gate and the engine
-    deployment's handle queue (cluster.app), and both must agree.
+    deployment's handle queue (kvtide.cluster.app), and both must agree.
     """
 
     max_ongoing_requests: int  # the gate, per ingress replica

@@ -21,16 +21,15 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.util import metrics
 
-from cluster.config import KvtideConfig, parse_config
-from cluster.demo_model import resolve_model
-from cluster.placement import cpu_threads_bind, engine_kwargs
-from autoscaling.ray_policy import replica_autoscaling_stats
-from autoscaling.warm_start import plan_warmup
-from deployments.engine_stats import EngineLoad, load_logger_factory
-from deployments.kv_cache_tracker import KvCacheTracker
-from deployments.kv_events import KvEventListener, new_ipc_endpoint
-from deployments.messages import GenerateDelta, GenerateRequest
-from deployments.names import INGRESS_DEPLOYMENT
+from kvtide.config import KvtideConfig, parse_config
+from kvtide.deployments.demo_model import resolve_model
+from kvtide.deployments.placement import cpu_threads_bind, engine_kwargs
+from kvtide.autoscaling.replica_stats import replica_autoscaling_stats
+from kvtide.autoscaling.warm_start import plan_warmup
+from kvtide.deployments.kv_cache_tracker import KvCacheTracker
+from kvtide.deployments.kv_events import KvEventListener, new_ipc_endpoint
+from kvtide.deployments.messages import GenerateDelta, GenerateRequest
+from kvtide.deployments.names import INGRESS_DEPLOYMENT
 
 logger = logging.getLogger("kvtide.engine")
 
@@ -55,12 +54,14 @@ def _replica_rank() -> int:
 
 
 class EngineReplica:
-    """Ray Serve deployment class hosting one vLLM engine (options set by cluster.app)."""
+    """Ray Serve deployment class hosting one vLLM engine (options set by kvtide.cluster.app)."""
 
     async def __init__(self, config_dict: dict):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        from kvtide.deployments.engine_stats import EngineLoad, load_logger_factory
 
         self.config: KvtideConfig = parse_config(config_dict)
         self.replica_id = _replica_id()

@@ -4,14 +4,28 @@ Why a stat logger: vLLM's scheduler stats (KV usage, running/waiting, preemption
 the AsyncLLM front end through its stat-logger interface; a tiny logger that keeps the
 latest values lets the replica answer Ray Serve's `record_autoscaling_stats` (and the
 router's stats) without scraping Prometheus or calling into the engine core.
+
+Strict reads: these stats classes are not a stable vLLM interface (the `gpu` extra spans
+several releases). A renamed field must fail loudly, not turn the router's load and the
+autoscaler's input into silent zeros: `check_stat_fields()` runs when the replica starts
+(and in a unit test against the installed vLLM), and `record` reads attributes directly.
+
+This module imports vLLM: the engine replica imports it inside its constructor, so the
+Ray Serve import path (kvtide.cluster.app) stays free of vLLM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+# The vLLM fields `_LoadLogger.record` reads, by class.
+SCHEDULER_STATS_FIELDS = ("kv_cache_usage", "num_running_reqs", "num_waiting_reqs")
+ITERATION_STATS_FIELDS = ("num_preempted_reqs",)
 
 
 @dataclass
@@ -24,19 +38,30 @@ class EngineLoad:
     num_preemptions_total: int = 0
 
 
+def check_stat_fields() -> None:
+    """Raise if the installed vLLM's stats classes lack a field kvtide reads."""
+    scheduler_fields = {f.name for f in dataclasses.fields(SchedulerStats)}
+    # IterationStats is a plain class whose fields are set in __init__.
+    iteration_fields = set(vars(IterationStats()))
+    missing = [f"SchedulerStats.{name}" for name in SCHEDULER_STATS_FIELDS if name not in scheduler_fields]
+    missing += [f"IterationStats.{name}" for name in ITERATION_STATS_FIELDS if name not in iteration_fields]
+    if missing:
+        raise RuntimeError(
+            f"this vLLM's stats lack {', '.join(missing)}: kvtide's router load and autoscaler input read them; "
+            "update kvtide.deployments.engine_stats for this vLLM release")
+
+
 class _LoadLogger(StatLoggerBase):
     def __init__(self, load: EngineLoad, vllm_config, engine_index: int = 0):
         self.load = load
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
-        # getattr: these stats classes are not a stable vLLM interface (the `gpu` extra spans
-        # several vLLM releases), and an exception here would break vLLM's output loop.
         if scheduler_stats is not None:
-            self.load.kv_usage_perc = float(getattr(scheduler_stats, "kv_cache_usage", 0.0))
-            self.load.num_running = int(getattr(scheduler_stats, "num_running_reqs", 0))
-            self.load.num_waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
+            self.load.kv_usage_perc = float(scheduler_stats.kv_cache_usage)
+            self.load.num_running = int(scheduler_stats.num_running_reqs)
+            self.load.num_waiting = int(scheduler_stats.num_waiting_reqs)
         if iteration_stats is not None:
-            self.load.num_preemptions_total += int(getattr(iteration_stats, "num_preempted_reqs", 0))
+            self.load.num_preemptions_total += int(iteration_stats.num_preempted_reqs)
 
     def log_engine_initialized(self):
         pass
@@ -44,4 +69,5 @@ class _LoadLogger(StatLoggerBase):
 
 def load_logger_factory(load: EngineLoad) -> Callable[..., StatLoggerBase]:
     """A per-engine stat-logger factory writing into `load` (vLLM calls it with (config, index))."""
+    check_stat_fields()
     return lambda vllm_config, engine_index=0: _LoadLogger(load, vllm_config, engine_index)

@@ -48,14 +48,14 @@ from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray.serve.handle import DeploymentHandle
 
-from cluster.config import KvtideConfig, parse_config
-from deployments.admission import AdmissionGate, Deadline, admission_limits, max_prompt_chars
-from deployments.auth import authorize, load_api_keys
-from deployments.ingress_metrics import IngressMetrics
-from deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec
-from deployments.hot_prefixes import HotPrefixTracker
-from deployments.routing.block_hash import block_hashes
-from deployments.protocol import (
+from kvtide.config import KvtideConfig, parse_config
+from kvtide.deployments.admission import AdmissionGate, Deadline, admission_limits, max_prompt_chars
+from kvtide.deployments.auth import authorize, load_api_keys
+from kvtide.deployments.ingress_metrics import IngressMetrics
+from kvtide.deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec
+from kvtide.deployments.hot_prefixes import HotPrefixTracker
+from kvtide.deployments.routing.block_hash import block_hashes
+from kvtide.deployments.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,

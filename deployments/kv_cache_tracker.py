@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from deployments.routing.block_hash import BlockHash, chain_hash
-from deployments.routing.snapshot import CacheDigest
+from kvtide.deployments.routing.block_hash import BlockHash, chain_hash
+from kvtide.deployments.routing.snapshot import CacheDigest
 
 
 class KvCacheTracker:

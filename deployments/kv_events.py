@@ -18,8 +18,8 @@ import tempfile
 import threading
 import uuid
 
-from deployments.kv_cache_tracker import KvCacheTracker
-from deployments.routing.snapshot import CacheDigest
+from kvtide.deployments.kv_cache_tracker import KvCacheTracker
+from kvtide.deployments.routing.snapshot import CacheDigest
 
 logger = logging.getLogger("kvtide.kv_events")
 

@@ -10,7 +10,8 @@ router's in-flight counts come from Ray's local queue-length cache.
       decide    deployments.routing.policy.rank_replicas (pure)
       apply     return one rank per replica, best first; on_request_routed → routing history
 
-The policy and its tunables live in `deployments.routing.policy`; this module only adapts.
+The policy lives in `deployments.routing.policy`, its tunables in `kvtide.config.RoutingConfig`;
+this module only adapts.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from typing import Any, List, Optional
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from ray.util import metrics
 
-from deployments.routing.policy import RoutingTunables, rank_replicas
-from deployments.routing.prefix_index import PrefixIndex
-from deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
+from kvtide.config import RoutingConfig
+from kvtide.deployments.routing.policy import rank_replicas
+from kvtide.deployments.routing.prefix_index import PrefixIndex
+from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
 
 DECISION_LATENCY_BUCKETS_S = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2]
 MATCHED_TOKENS_BUCKETS = [1, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768]
@@ -59,9 +61,11 @@ def _rid(replica_id: ReplicaID) -> str:
 class PrefixAwareRouter(FIFOMixin, RequestRouter):
     """kvtide's router: cache affinity from the engines' own KV events, under a load guard."""
 
-    def initialize_state(self, block_size: int = 16, seed: int | None = None, **tunables: Any) -> None:
+    def initialize_state(self, block_size: int = 16, seed: int | None = None,
+                         routing: dict[str, Any] | None = None) -> None:
         self._block_size = block_size
-        self._tunables = RoutingTunables(**tunables)
+        # Ray hands request_router_kwargs over as plain data; validate it back into the one model.
+        self._tunables = RoutingConfig.model_validate(routing or {})
         self._index = PrefixIndex(history_ttl_s=self._tunables.history_ttl_s)
         self._rng = random.Random(seed)
         self._metrics = RouterMetrics()

@@ -10,7 +10,7 @@ export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/out}
 case "${1:-smoke}" in
 smoke)
-  python3 -c "from cluster.demo_model import build_demo_model; print(build_demo_model())" || exit 1
+  python3 -c "from deployments.demo_model import build_demo_model; print(build_demo_model())" || exit 1
   python3 -m cluster.cli serve --config cluster/configs/gpu-tp2.yaml --set model=demo \
       --set served_model_name=kvtide-demo --set engine.max_model_len=4096 --set engine.enforce_eager=true \
       --set replicas.min_replicas=null --set replicas.max_replicas=null --set replicas.num_replicas=1 \

@@ -26,7 +26,7 @@ Consequences, each pinned by a unit test:
   `block_size × blocks / tokens_per_queued_request` requests of queue.
 - Exact ties (equal cost) are broken by the injected rng, so equal replicas share load.
 - `limit >= mean >= min(load)` when factor >= 1 and slack >= 0, so at least one replica
-  is always under the load guard; the tunables' validation enforces those bounds. (The
+  is always under the load guard; RoutingConfig's field bounds enforce them. (The
   KV guard can mark every replica; then all rank by cost alone, still load-aware.)
 
 Outcome label (for the router's metrics):
@@ -35,7 +35,9 @@ Outcome label (for the router's metrics):
 - "load_fallback": some replica holds more of the prefix than the pick, and load (the
                    guard, or queue cost outweighing the cached tokens) moved it away.
 
-Tunables (`RoutingTunables`), defaults and why:
+Tunables (`kvtide.config.RoutingConfig`, the config's `routing:` section, declared once
+there with the bounds that keep "at least one replica is under the guard" true), defaults
+and why:
 - tokens_per_queued_request = 256: what one request already on a replica costs a new
   one, in prefill-token equivalents. With continuous batching a request ahead does not
   block, it takes a share of each step: its own uncached prompt (in cache-friendly
@@ -59,36 +61,13 @@ import random
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from deployments.routing.block_hash import BlockHash
-from deployments.routing.prefix_index import PrefixIndex
-from deployments.routing.snapshot import ReplicaSnapshot
+from kvtide.config import RoutingConfig
+from kvtide.deployments.routing.block_hash import BlockHash
+from kvtide.deployments.routing.prefix_index import PrefixIndex
+from kvtide.deployments.routing.snapshot import ReplicaSnapshot
 
 Outcome = Literal["cache_hit", "load_fallback", "no_match"]
 OUTCOMES: tuple[Outcome, ...] = ("cache_hit", "load_fallback", "no_match")
-
-
-@dataclass(frozen=True)
-class RoutingTunables:
-    """Every knob of prefix_aware; the module docstring gives each default's reason."""
-
-    tokens_per_queued_request: float = 256.0
-    load_guard_factor: float = 1.25
-    load_guard_slack: float = 2.0
-    kv_usage_guard_perc: float = 0.95
-    history_ttl_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        # These bounds keep "at least one replica is under the guard" true.
-        if self.load_guard_factor < 1.0:
-            raise ValueError(f"load_guard_factor={self.load_guard_factor} must be >= 1.0 (1.25 is the usual bound)")
-        if self.load_guard_slack < 0.0:
-            raise ValueError(f"load_guard_slack={self.load_guard_slack} must be >= 0")
-        if self.tokens_per_queued_request < 0.0:
-            raise ValueError(f"tokens_per_queued_request={self.tokens_per_queued_request} must be >= 0")
-        if not 0.0 < self.kv_usage_guard_perc <= 1.0:
-            raise ValueError(f"kv_usage_guard_perc={self.kv_usage_guard_perc} must be in (0, 1]")
-        if self.history_ttl_s <= 0.0:
-            raise ValueError(f"history_ttl_s={self.history_ttl_s} must be positive")
 
 
 @dataclass(frozen=True)
@@ -101,7 +80,7 @@ class RoutingDecision:
 
 
 def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshots: Sequence[ReplicaSnapshot],
-                  index: PrefixIndex, tunables: RoutingTunables, rng: random.Random, *,
+                  index: PrefixIndex, tunables: RoutingConfig, rng: random.Random, *,
                   now_s: float) -> RoutingDecision:
     """Rank `snapshots`' replicas for a request whose full blocks hash to `request_hashes`."""
     if not snapshots:

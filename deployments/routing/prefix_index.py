@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterable, Sequence
 
-from deployments.routing.block_hash import BlockHash
-from deployments.routing.snapshot import CacheDigest
+from kvtide.deployments.routing.block_hash import BlockHash
+from kvtide.deployments.routing.snapshot import CacheDigest
 
 _NO_REPLICAS: frozenset[str] = frozenset()
 _NEVER = float("-inf")

@@ -27,7 +27,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from deployments.routing.block_hash import BlockHash
+from kvtide.deployments.routing.block_hash import BlockHash
 
 _HASH_TYPECODE = "Q"
 assert array(_HASH_TYPECODE).itemsize == 8

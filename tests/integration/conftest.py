@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster import local
-from cluster.config import load_config
+from kvtide.cluster import local
+from kvtide.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 HTTP_PORT = int(os.environ.get("KVTIDE_TEST_HTTP_PORT", "18000"))

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from ray import serve
 
-from cluster.app import build_from_config
-from cluster.config import load_config
+from kvtide.cluster.app import build_from_config
+from kvtide.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 AUTH_APP = "kvtide-auth"

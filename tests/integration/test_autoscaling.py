@@ -11,8 +11,8 @@ import httpx
 from ray import serve
 from support import metric_sum, wait_for
 
-from cluster.app import build_from_config
-from cluster.config import load_config
+from kvtide.cluster.app import build_from_config
+from kvtide.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 APP = "kvtide-autoscale"

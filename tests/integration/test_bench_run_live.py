@@ -6,13 +6,13 @@ import json
 import subprocess
 import sys
 
-from benchmarks.report import RUN_KEYS, STAT_KEYS
+from kvtide.benchmarks.report import RUN_KEYS, STAT_KEYS
 
 
 def test_bench_run_on_a_tiny_workload_writes_every_key(cluster, tmp_path):
     """A tiny shared-prefix run yields JSON with exactly the documented keys and sane values."""
     out = tmp_path / "run.json"
-    cmd = [sys.executable, "-m", "cluster.cli", "bench", "run", "--url", cluster.base_url,
+    cmd = [sys.executable, "-m", "kvtide.cluster.cli", "bench", "run", "--url", cluster.base_url,
            "--metrics-url", cluster.metrics_url, "--policy", "prefix_aware", "--workload", "shared-prefix",
            "--num-groups", "2", "--prompts-per-group", "3", "--system-prompt-len", "256", "--question-len", "16",
            "--output-len", "4", "--concurrency", "2", "--duration", "60", "--no-progress", "--out", str(out)]

@@ -34,10 +34,10 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from dashboards import alerts, build
-from dashboards import catalog
-from dashboards.catalog import AUTOSCALING_ON, CATALOG, series_names
-from dashboards.promql import Selectors, resolve_grafana_vars
+from kvtide.dashboards import alerts, build
+from kvtide.dashboards import catalog
+from kvtide.dashboards.catalog import AUTOSCALING_ON, CATALOG, series_names
+from kvtide.dashboards.promql import Selectors, resolve_grafana_vars
 from tests.integration.support import wait_for
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"

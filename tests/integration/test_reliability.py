@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 from ray import serve
 from support import metric_sum, wait_for
 
-from cluster.app import build_from_config
-from cluster.config import load_config
+from kvtide.cluster.app import build_from_config
+from kvtide.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 KILL_APP, OVERLOAD_APP = "kvtide-kill", "kvtide-overload"
@@ -241,7 +241,7 @@ def _replica_pids(app: str) -> dict[str, list[int]]:
 
 def _kv_cache_tokens_per_engine(cluster_config) -> int:
     """Tokens one engine's KV cache holds: kv_cache_memory_bytes over the demo model's KV bytes per token."""
-    from cluster.demo_model import build_demo_model
+    from kvtide.deployments.demo_model import build_demo_model
 
     model = json.loads((build_demo_model() / "config.json").read_text())
     head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]

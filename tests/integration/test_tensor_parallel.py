@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 from ray import serve
 
-from cluster.app import build_from_config
-from cluster.config import load_config
+from kvtide.cluster.app import build_from_config
+from kvtide.config import load_config
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import ConfigError, parse_config
-from deployments.admission import (
+from kvtide.config import ConfigError, parse_config
+from kvtide.deployments.admission import (
     AdmissionGate,
     Deadline,
     admission_limits,

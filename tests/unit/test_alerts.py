@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from dashboards import alerts
-from dashboards.promql import Selectors
+from kvtide.dashboards import alerts
+from kvtide.dashboards.promql import Selectors
 
 PROMTOOL = shutil.which("promtool")
 JOB = "llm/demo-kvtide"
@@ -128,8 +128,8 @@ def test_every_enabled_rule_has_a_firing_and_a_quiet_case_and_a_runbook() -> Non
 
 def test_generated_rule_files_are_current() -> None:
     """The committed plain rule file and the chart's alerts.yaml equal what alerts.py generates."""
-    assert alerts.RULES_FILE.read_text() == alerts.rules_text(chart=False), "run: python -m dashboards.build"
-    assert alerts.CHART_RULES_FILE.read_text() == alerts.rules_text(chart=True), "run: python -m dashboards.build"
+    assert alerts.RULES_FILE.read_text() == alerts.rules_text(chart=False), "run: python -m kvtide.dashboards.build"
+    assert alerts.CHART_RULES_FILE.read_text() == alerts.rules_text(chart=True), "run: python -m kvtide.dashboards.build"
 
 
 def test_condition_free_signal_is_inside_every_expression() -> None:
@@ -140,7 +140,7 @@ def test_condition_free_signal_is_inside_every_expression() -> None:
 
 def test_router_rule_waits_for_router_metrics() -> None:
     """The router fallback rule is emitted exactly when its metric is catalogued."""
-    from dashboards.catalog import has
+    from kvtide.dashboards.catalog import has
 
     names = {r.name for r in _enabled()}
     assert ("KvtideRouterLoadFallbackHigh" in names) == has("ray_kvtide_router_decisions_total")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_helm_chart import rayservice  # tests/unit is on sys.path (rootdir-relative test modules)
 
-from cluster.config import parse_config
+from kvtide.config import parse_config
 
 
 def _containers(values: dict) -> list[dict]:

@@ -11,9 +11,9 @@ from ray.serve._private.constants import SERVE_AUTOSCALING_DECISION_COUNTERS_KEY
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from autoscaling.config import AutoscalingSettings
-from autoscaling.control_law import LawContext, LawState, ReplicaStats, decide
-from autoscaling.ray_policy import (
+from kvtide.config import AutoscalingSettings
+from kvtide.autoscaling.control_law import LawContext, LawState, ReplicaStats, decide
+from kvtide.autoscaling.ray_policy import (
     KV_USAGE_KEY,
     NUM_PREEMPTIONS_TOTAL_KEY,
     NUM_RUNNING_KEY,
@@ -85,14 +85,14 @@ def test_policy_returns_the_laws_decision():
     expected = decide(
         LawContext(replicas=(ReplicaStats(0.95, 0.0, 3.0, 0.0), ReplicaStats(0.9, 0.0, 3.0, 0.0)),
                    num_running_replicas=2, num_starting_replicas=0, min_replicas=1, max_replicas=8, now_s=NOW_S),
-        LawState(pressure_since_s=NOW_S - 40), settings.law_tunables())
+        LawState(pressure_since_s=NOW_S - 40), settings)
     assert (desired, new_state) == (expected[0], {POLICY_STATE_KEY: expected[1].to_dict()})
     assert desired == 3
 
 
 def test_policy_state_round_trips_between_ticks():
     """The timer started on one tick comes back through policy_state and fires after the delay."""
-    policy = KvPolicy(**AutoscalingSettings().law_tunables().__dict__)
+    policy = KvPolicy(**AutoscalingSettings().model_dump(mode="json"))
     desired, state = policy(context([0.95, 0.95], now_s=NOW_S))
     assert desired == 2 and state[POLICY_STATE_KEY]["pressure_since_s"] == NOW_S
     desired, state = policy(context([0.95, 0.95], now_s=NOW_S + 10, policy_state=state))

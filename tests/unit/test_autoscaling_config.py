@@ -8,16 +8,16 @@ import pytest
 from pydantic import ValidationError
 from ray.serve.config import AutoscalingConfig
 
-from autoscaling.config import AutoscalingSettings, WarmStartSettings
-from autoscaling.control_law import LawTunables
-from autoscaling.ray_policy import KV_POLICY_PATH, METRIC_KEYS, autoscaling_config, replica_autoscaling_stats
+from kvtide.config import AutoscalingSettings, WarmStartSettings
+from kvtide.autoscaling.ray_policy import KV_POLICY_PATH, autoscaling_config
+from kvtide.autoscaling.replica_stats import METRIC_KEYS, replica_autoscaling_stats
 
 
-def test_defaults_match_the_law():
-    """Defaults are the kv policy with the law's own default tunables and warm start on."""
+def test_defaults_are_the_kv_law_with_warm_start():
+    """Defaults are the kv policy, the documented thresholds (0.6 < 0.7 < 0.85) and warm start on."""
     settings = AutoscalingSettings()
     assert settings.policy == "kv"
-    assert settings.law_tunables() == LawTunables()
+    assert (settings.lower_kv_perc, settings.target_kv_perc, settings.upper_kv_perc) == (0.6, 0.7, 0.85)
     assert settings.warm_start == WarmStartSettings() and settings.warm_start.enabled
 
 

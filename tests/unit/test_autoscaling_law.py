@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from autoscaling.control_law import REASONS, LawContext, LawState, LawTunables, ReplicaStats, decide
+from kvtide.autoscaling.control_law import REASONS, LawContext, LawState, ReplicaStats, decide
+from kvtide.config import AutoscalingSettings
 
-TUNABLES = LawTunables()  # target 0.7, upper 0.85, lower 0.6, up 30 s, down 300 s, max_step 2
+TUNABLES = AutoscalingSettings()  # target 0.7, upper 0.85, lower 0.6, up 30 s, down 300 s, max_step 2
 
 
 def ctx(kv: float, *, n: int, starting: int = 0, now_s: float = 0.0, min_r: int = 1, max_r: int = 10,
@@ -18,7 +19,7 @@ def ctx(kv: float, *, n: int, starting: int = 0, now_s: float = 0.0, min_r: int 
                       min_replicas=min_r, max_replicas=max_r, now_s=now_s)
 
 
-def run(ticks, tunables: LawTunables = TUNABLES, state: LawState | None = None):
+def run(ticks, tunables: AutoscalingSettings = TUNABLES, state: LawState | None = None):
     """Feed contexts in order, carrying the state; return (desired, reason) per tick."""
     state = state or LawState()
     out = []
@@ -147,7 +148,7 @@ def test_waiting_or_preemptions_block_scale_down():
 
 @pytest.mark.parametrize("context, tunables, expected", [
     (ctx(1.0, n=6, now_s=30), TUNABLES, 8),                        # wants 9 (6 / 0.7), step capped at 2
-    (ctx(1.0, n=4, now_s=30), LawTunables(max_step=1), 5),
+    (ctx(1.0, n=4, now_s=30), AutoscalingSettings(max_step=1), 5),
     (ctx(0.05, n=10, now_s=300), TUNABLES, 8),                     # could drop to 1, step capped at 2
 ])
 def test_max_step_respected(context, tunables, expected):
@@ -203,4 +204,4 @@ def test_log_line_is_one_line_with_inputs():
 def test_tunables_reject_inverted_thresholds():
     """Thresholds out of order are refused when the tunables are built."""
     with pytest.raises(ValueError, match="lower_kv_perc"):
-        LawTunables(lower_kv_perc=0.9)
+        AutoscalingSettings(lower_kv_perc=0.9)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autoscaling.warm_start import plan_warmup
+from kvtide.autoscaling.warm_start import plan_warmup
 
 SYSTEM = list(range(100, 164))          # 64-token system prompt
 RAG_A = SYSTEM + list(range(500, 564))  # system prompt + document A (128 tokens)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.autoscale import Probe, RunResult, Trace, markdown, summarize_run
+from kvtide.benchmarks.autoscale import Probe, RunResult, Trace, markdown, summarize_run
 
 
 def _run() -> RunResult:

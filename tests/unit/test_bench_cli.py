@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from benchmarks.cli import register, workload_from_args
-from cluster.config import ConfigError
+from kvtide.benchmarks.cli import register, workload_from_args
+from kvtide.config import ConfigError
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from benchmarks.loadgen import arrival_times_s, check_loopback, send_one
-from benchmarks.workloads import BenchRequest
+from kvtide.benchmarks.loadgen import arrival_times_s, check_loopback, send_one
+from kvtide.benchmarks.workloads import BenchRequest
 
 REQ = BenchRequest(({"role": "user", "content": "hi"},), 3, "g")
 

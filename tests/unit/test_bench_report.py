@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.report import (
+from kvtide.benchmarks.report import (
     RUN_KEYS,
     MetricsSample,
     RequestResult,

@@ -6,7 +6,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from benchmarks.workloads import (
+from kvtide.benchmarks.workloads import (
     MultiTurnParams,
     RandomParams,
     SharedPrefixParams,

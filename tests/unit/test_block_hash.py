@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from deployments.routing.block_hash import block_hashes, chain_hash
+from kvtide.deployments.routing.block_hash import block_hashes, chain_hash
 
 BS = 4
 TOKENS = list(range(100, 118))  # 4 full blocks of 4 + 2 trailing tokens

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ConfigError, KvtideConfig, apply_overrides, load_config, parse_config
+from kvtide.config import ConfigError, KvtideConfig, apply_overrides, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from dashboards import build
-from dashboards.catalog import series_names
-from dashboards.panels import dashboard_queries
-from dashboards.promql import PROMETHEUS_SYNTHETIC, metric_names, resolve_grafana_vars
+from kvtide.dashboards import build
+from kvtide.dashboards.catalog import series_names
+from kvtide.dashboards.panels import dashboard_queries
+from kvtide.dashboards.promql import PROMETHEUS_SYNTHETIC, metric_names, resolve_grafana_vars
 
 BUILT = build.build_all()
 
@@ -19,7 +19,7 @@ def test_committed_dashboards_are_current_in_both_copies() -> None:
     for directory in (build.GENERATED_DIR, build.CHART_DASHBOARDS_DIR):
         on_disk = {p.name: p.read_text() for p in directory.glob("*.json")}
         assert on_disk == {name: build.to_text(d) for name, d in BUILT.items()}, (
-            f"{directory} drifted: run python -m dashboards.build")
+            f"{directory} drifted: run python -m kvtide.dashboards.build")
 
 
 def test_required_dashboards_exist() -> None:
@@ -86,7 +86,7 @@ def test_overview_has_the_slo_panels() -> None:
 
 def test_router_panels_wait_for_router_metrics() -> None:
     """The Router row appears exactly when a router metric is catalogued."""
-    from dashboards.catalog import has
+    from kvtide.dashboards.catalog import has
 
     rows = [p["title"] for p in BUILT["kvtide-routing.json"]["panels"] if p["type"] == "row"]
     assert ("Router" in rows) == any(has(n) for n in ("ray_kvtide_router_decisions_total",

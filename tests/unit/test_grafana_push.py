@@ -16,8 +16,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from dashboards import cli
-from dashboards.build import build_all
+from kvtide.dashboards import cli
+from kvtide.dashboards.build import build_all
 
 TOKEN = "glsa_test"
 

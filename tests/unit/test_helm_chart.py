@@ -22,8 +22,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cluster.config import KvtideConfig, parse_config
-from cluster.serve_config import serve_config
+from kvtide.config import KvtideConfig, parse_config
+from kvtide.cluster.serve_config import serve_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "helm" / "kvtide"
@@ -264,7 +264,7 @@ def test_serve_config_is_a_valid_ray_serve_deploy_config() -> None:
 
     schema = ServeDeploySchema.model_validate(rendered_serve_config({}))
     (app,) = schema.applications
-    assert (app.import_path, app.route_prefix) == ("cluster.app:build_app", "/")
+    assert (app.import_path, app.route_prefix) == ("kvtide.cluster.app:build_app", "/")
     assert schema.http_options.port == 8000 and schema.proxy_location.value == "EveryNode"
 
 

@@ -13,7 +13,7 @@ import jsonschema
 import yaml
 from pydantic import BaseModel
 
-from cluster.config import KvtideConfig
+from kvtide.config import KvtideConfig
 from helm.generate_schema import REGENERATE_HINT, SCHEMA_PATH, build_schema, render
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -1,22 +1,28 @@
-"""The chart sets Ray Serve's process-level mode from kvtide.http.throughput_optimized on every Ray pod."""
+"""The chart sets the process-level Ray settings of KvtideConfig.ray_process_env() on every Ray pod."""
 
 from __future__ import annotations
 
 import pytest
 from test_helm_chart import rayservice  # tests/unit is on sys.path (rootdir-relative test modules)
 
+from kvtide.config import parse_config
 
-def _env_values(values: dict) -> set[str]:
+
+def _ray_env_per_container(values: dict, names: list[str]) -> list[dict[str, str]]:
     cluster = rayservice(values)["spec"]["rayClusterConfig"]
     pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
     containers = [c for pod in pods for c in pod["template"]["spec"]["containers"]]
-    return {next(e["value"] for e in c["env"] if e["name"] == "RAY_SERVE_THROUGHPUT_OPTIMIZED") for c in containers}
+    return [{e["name"]: e["value"] for e in c["env"] if e["name"] in names} for c in containers]
 
 
-@pytest.mark.parametrize(("values", "expected"), [
-    ({}, {"1"}),
-    ({"kvtide": {"http": {"throughput_optimized": False}}}, {"0"}),
+@pytest.mark.parametrize("kvtide_values", [
+    {},
+    {"http": {"throughput_optimized": False}},
+    {"autoscaling": {"metrics_push_interval_s": 0.5}},
+    {"autoscaling": {"metrics_push_interval_s": 10}},
 ])
-def test_every_ray_container_gets_the_same_serve_mode(values, expected):
-    """Head and workers agree on RAY_SERVE_THROUGHPUT_OPTIMIZED, which follows the config (default on)."""
-    assert _env_values(values) == expected
+def test_every_ray_container_gets_the_config_ray_env(kvtide_values):
+    """Head and workers carry exactly what `kvtide serve` sets locally (throughput mode, metrics push interval)."""
+    expected = parse_config(kvtide_values).ray_process_env()
+    envs = _ray_env_per_container({"kvtide": kvtide_values} if kvtide_values else {}, list(expected))
+    assert envs and all(env == expected for env in envs)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from deployments.hot_prefixes import HotPrefixTracker
-from deployments.routing.block_hash import block_hashes
+from kvtide.deployments.hot_prefixes import HotPrefixTracker
+from kvtide.deployments.routing.block_hash import block_hashes
 
 BS = 4
 

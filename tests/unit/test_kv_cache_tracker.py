@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deployments.kv_cache_tracker import KvCacheTracker
-from deployments.routing.block_hash import block_hashes
+from kvtide.deployments.kv_cache_tracker import KvCacheTracker
+from kvtide.deployments.routing.block_hash import block_hashes
 
 BS = 4
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dashboards import catalog, docs
-from dashboards.catalog import CATALOG, Kind, Source
+from kvtide.dashboards import catalog, docs
+from kvtide.dashboards.catalog import CATALOG, Kind, Source
 
 
 def _package_dir(name: str) -> Path:
@@ -90,4 +90,4 @@ def test_every_entry_is_documented() -> None:
 
 def test_metrics_md_is_current() -> None:
     """docs/metrics.md equals what the catalog generates."""
-    assert docs.METRICS_MD.read_text() == docs.render_metrics_md(), "run: python -m dashboards.build"
+    assert docs.METRICS_MD.read_text() == docs.render_metrics_md(), "run: python -m kvtide.dashboards.build"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import parse_config
-from cluster.placement import cpu_threads_bind, engine_kwargs, logical_cpus_needed, placement_bundles
+from kvtide.config import parse_config
+from kvtide.deployments.placement import cpu_threads_bind, engine_kwargs, logical_cpus_needed, placement_bundles
 
 
 def test_gpu_tp_gets_one_gpu_bundle_per_worker_and_ray_executor():

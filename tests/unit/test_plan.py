@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from autoscaling.capacity import (
+from kvtide.autoscaling.capacity import (
     GIB,
     ModelShape,
     estimate_num_params,
@@ -16,7 +16,7 @@ from autoscaling.capacity import (
     shape_from_config,
     suggest_tp,
 )
-from autoscaling.cli import register
+from kvtide.autoscaling.cli import register
 
 LLAMA_70B_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,

@@ -6,9 +6,9 @@ import pickle
 
 import pytest
 
-from deployments.routing.block_hash import BlockHash, block_hashes
-from deployments.routing.prefix_index import PrefixIndex
-from deployments.routing.snapshot import CacheDigest
+from kvtide.deployments.routing.block_hash import BlockHash, block_hashes
+from kvtide.deployments.routing.prefix_index import PrefixIndex
+from kvtide.deployments.routing.snapshot import CacheDigest
 
 BS = 4
 TTL_S = 10.0

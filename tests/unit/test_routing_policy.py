@@ -7,14 +7,15 @@ from collections import Counter
 
 import pytest
 
-from deployments.routing.block_hash import block_hashes
-from deployments.routing.policy import RoutingTunables, rank_replicas
-from deployments.routing.prefix_index import PrefixIndex
-from deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
+from kvtide.deployments.routing.block_hash import block_hashes
+from kvtide.config import RoutingConfig
+from kvtide.deployments.routing.policy import rank_replicas
+from kvtide.deployments.routing.prefix_index import PrefixIndex
+from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
 
 BS = 32
 PROMPT = block_hashes(list(range(64 * BS)), BS)  # 64 blocks, 2,048 tokens
-TUNE = RoutingTunables()
+TUNE = RoutingConfig()
 
 
 def snaps(**loads: int) -> list[ReplicaSnapshot]:
@@ -62,7 +63,7 @@ def test_affinity_yields_to_load_guard():
 
 def test_load_guard_is_strict_even_with_huge_affinity_weight():
     """Even when cached tokens dwarf queue cost, an over-guard replica is never first."""
-    tune = RoutingTunables(tokens_per_queued_request=0.001)
+    tune = RoutingConfig(tokens_per_queued_request=0.001)
     d = decide(snaps(a=9, b=1), index_with(a=64), tunables=tune)  # mean 5 → limit 8.25
     assert d.ranked == ["b", "a"]
 
@@ -136,4 +137,4 @@ def test_short_prompt_without_full_block_is_least_loaded():
 def test_tunables_reject_values_that_break_the_guard(field, value):
     """Tunables that could leave no replica under the guard (or make no sense) are rejected by name."""
     with pytest.raises(ValueError, match=field):
-        RoutingTunables(**{field: value})
+        RoutingConfig(**{field: value})

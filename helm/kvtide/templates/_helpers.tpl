@@ -46,7 +46,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/*
-Ports. The defaults repeat cluster/config.py's (HttpConfig.port, MetricsConfig.port) for a
+Ports. The defaults repeat config/'s (HttpConfig.port, MetricsConfig.port) for a
 values file that deletes the key; the rendered args then omit it and the model applies the
 same default, so pods and Serve agree.
 */}}
@@ -182,7 +182,7 @@ The Ray Serve config: one application whose args are the kvtide config, the same
 `kvtide serve-config` prints (cluster/serve_config.py); a unit test pins the equality.
 */}}
 {{- define "kvtide.serveConfig" -}}
-{{- $app := dict "name" "kvtide" "route_prefix" "/" "import_path" "cluster.app:build_app" "args" .Values.kvtide }}
+{{- $app := dict "name" "kvtide" "route_prefix" "/" "import_path" "kvtide.cluster.app:build_app" "args" .Values.kvtide }}
 {{- $http := dict "host" "0.0.0.0" "port" (int (include "kvtide.httpPort" .)) }}
 {{- toYaml (dict "proxy_location" "EveryNode" "http_options" $http "applications" (list $app)) }}
 {{- end }}
@@ -194,9 +194,12 @@ files and the token too).
 {{- define "kvtide.rayEnv" -}}
 - name: HF_HOME
   value: {{ .Values.modelCache.mountPath | quote }}
-{{- /* Process-level Serve mode: every Ray container must agree (kvtide.http.throughput_optimized). */}}
+{{- /* Process-level Serve settings every Ray container must agree on; the same names and
+values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
 - name: RAY_SERVE_THROUGHPUT_OPTIMIZED
   value: {{ ternary "1" "0" (dig "http" "throughput_optimized" true .Values.kvtide) | quote }}
+- name: RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S
+  value: {{ dig "autoscaling" "metrics_push_interval_s" 2.0 .Values.kvtide | toString | quote }}
 {{- if .Values.hfToken.secretName }}
 - name: HF_TOKEN
   valueFrom:

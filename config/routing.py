@@ -1,0 +1,40 @@
+"""The `routing:` section: which request router picks an engine replica, and its knobs.
+
+Declared once, here. The prefix_aware policy (`kvtide.deployments.routing.policy`) takes
+this model as its tunables and its module docstring gives each default's reason; the Ray
+router adapter receives it as plain data (`model_dump`) and validates it back.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kvtide.config.base import Strict
+
+RoutingPolicy = Literal["prefix_aware", "pow2", "round_robin", "ray_prefix"]
+
+
+class RoutingConfig(Strict):
+    """Which request router picks the engine replica for a request, and its knobs.
+
+    prefix_aware: kvtide's router (deployments.routing.policy documents the algorithm);
+    pow2: Ray Serve's power-of-two choices; round_robin; ray_prefix: Ray Serve LLM's
+    PrefixCacheAffinityRouter. The last three are baselines for `kvtide bench compare`.
+    """
+
+    policy: RoutingPolicy = Field(
+        "prefix_aware", description="Request router: prefix_aware (kvtide), pow2, round_robin or ray_prefix.")
+    stats_period_s: float = Field(1.0, gt=0, description="How often engines report load and cache digests to routers.")
+    # The bounds below keep the policy's invariant "at least one replica is under the load
+    # guard" true (factor >= 1, slack >= 0).
+    tokens_per_queued_request: float = Field(
+        256.0, ge=0, description="prefix_aware: prefill-token cost of one request already queued on a replica.")
+    load_guard_factor: float = Field(
+        1.25, ge=1.0, description="prefix_aware: a replica above factor x mean load (+ slack) loses its affinity.")
+    load_guard_slack: float = Field(2.0, ge=0, description="prefix_aware: requests of slack added to the load guard.")
+    kv_usage_guard_perc: float = Field(
+        0.95, gt=0, le=1.0, description="prefix_aware: a replica whose KV cache is this full counts as overloaded.")
+    history_ttl_s: float = Field(
+        10.0, gt=0, description="prefix_aware: how long the router's own routing counts as cached without a digest.")
