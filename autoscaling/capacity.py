@@ -74,12 +74,8 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
+        """2 (K and V) × layers × kv_heads × head_dim × bytes per element."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_elem(self.dtype)
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str = "bfloat16") -> int:
-    """2 (K and V) × layers × kv_heads × head_dim × bytes per element."""
-    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_elem(dtype)
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -269,5 +265,4 @@ def plan_as_dict(shape: ModelShape, plan: CapacityPlan) -> dict[str, Any]:
 
 
 __all__ = ["CapacityPlan", "ModelShape", "PlanError", "bytes_per_elem", "estimate_num_params", "format_plan",
-           "kv_bytes_per_token", "plan_as_dict", "plan_capacity", "read_model_config", "shape_from_config",
-           "suggest_tp"]
+           "plan_as_dict", "plan_capacity", "read_model_config", "shape_from_config", "suggest_tp"]

@@ -179,9 +179,9 @@ def summarize_run(result: RunResult, trace: Trace) -> dict[str, Any]:
 def run_variant(variant: str, base_overrides: list[str], trace: Trace, port: int, seed: int) -> dict[str, Any]:
     from kvtide.cluster import local
     from kvtide.config import load_config
-    from kvtide.cluster.cli import _default_config_path
+    from kvtide.cluster.cli import default_config_path
 
-    config = load_config(_default_config_path(), [*base_overrides, *VARIANTS[variant], f"http.port={port}"])
+    config = load_config(default_config_path(), [*base_overrides, *VARIANTS[variant], f"http.port={port}"])
     print(f"autoscale: {variant}: starting ...", flush=True)
     cluster = local.start(config)
     try:

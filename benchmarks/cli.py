@@ -212,7 +212,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if not policies:
         print("kvtide bench compare: --policies is empty; give e.g. pow2,prefix_aware", file=sys.stderr)
         return 2
-    config_path = args.config or _default_config_path()
+    from kvtide.cluster.cli import default_config_path
+
+    config_path = args.config or default_config_path()
     # Validate every policy's config before starting anything: a typo fails in a second, not after a run.
     configs = {p: load_config(config_path, [*args.overrides, f"routing.policy={p}"]) for p in policies}
     workload = workload_from_args(args)
@@ -237,9 +239,3 @@ def cmd_compare(args: argparse.Namespace) -> int:
     write_plots(results, samples, out)
     print(f"kvtide bench compare: wrote {out}/results.json, report.md and plots")
     return 0
-
-
-def _default_config_path() -> str:
-    from importlib.resources import files
-
-    return str(files("cluster") / "configs" / "cpu.yaml")

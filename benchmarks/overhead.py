@@ -172,7 +172,7 @@ def markdown(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Names
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvtide.cluster.cli import _default_config_path
+    from kvtide.cluster.cli import default_config_path
     from kvtide.config import load_config
     from kvtide.deployments.demo_model import resolve_model
     from kvtide.deployments.placement import cpu_threads_bind, engine_kwargs
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="Markdown report path")
     args = parser.parse_args(argv)
 
-    config = load_config(args.config or _default_config_path(),
+    config = load_config(args.config or default_config_path(),
                          ["replicas.num_replicas=1", f"http.port={args.port}", f"metrics.port={args.metrics_port}"])
     kwargs = engine_kwargs(config, resolve_model(config.model))
     kwargs["served_model_name"] = config.model_name

@@ -15,7 +15,7 @@ from ray.serve.config import RequestRouterConfig
 
 from kvtide.autoscaling.ray_policy import autoscaling_config
 from kvtide.config import DEMO_MODEL, KvtideConfig, config_to_dict, parse_config
-from kvtide.deployments.placement import REPLICA_ACTOR_CPUS, placement_bundles
+from kvtide.deployments.placement import placement_bundles, replica_actor_options
 from kvtide.deployments.admission import admission_limits
 from kvtide.deployments.engine import EngineReplica
 from kvtide.deployments.ingress import Ingress
@@ -31,7 +31,7 @@ def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
     limits = admission_limits(config)
     options: dict[str, Any] = {
         "name": ENGINE_DEPLOYMENT,
-        "ray_actor_options": {"num_cpus": REPLICA_ACTOR_CPUS, "num_gpus": 0},
+        "ray_actor_options": replica_actor_options(config),
         "placement_group_bundles": placement_bundles(config),
         "placement_group_strategy": "STRICT_PACK",
         # Each replica batches in vLLM; Serve's queue cap only bounds what is in flight.
@@ -53,6 +53,16 @@ def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
     else:
         options["num_replicas"] = config.replicas.num_replicas
     return options
+
+
+def ingress_deployment_options(config: KvtideConfig) -> dict[str, Any]:
+    """Replica count and Serve's per-replica cap of the ingress deployment (above the admission gate)."""
+    return {
+        "name": INGRESS_DEPLOYMENT,
+        "num_replicas": config.ingress.num_replicas,
+        "ray_actor_options": {"num_cpus": 1},
+        "max_ongoing_requests": admission_limits(config).ingress_max_ongoing_requests,
+    }
 
 
 # Ray Serve LLM's documented settings for its prefix-aware router (the ray_prefix baseline).
@@ -92,12 +102,7 @@ def build_from_config(config: KvtideConfig) -> Application:
                                            "served_model_name": config.model_name})
     config_dict = config_to_dict(config)
     engine = serve.deployment(EngineReplica).options(**engine_deployment_options(config)).bind(config_dict)
-    ingress = serve.deployment(Ingress).options(
-        name=INGRESS_DEPLOYMENT,
-        num_replicas=config.ingress.num_replicas,
-        ray_actor_options={"num_cpus": 1},
-        max_ongoing_requests=1000,
-    )
+    ingress = serve.deployment(Ingress).options(**ingress_deployment_options(config))
     return ingress.bind(engine, config_dict)
 
 

@@ -33,13 +33,13 @@ def _config_from_args(args: argparse.Namespace) -> KvtideConfig:
                       "replicas.max_replicas=null"]
     if args.port is not None:
         overrides.append(f"http.port={args.port}")
-    return load_config(args.config or _default_config_path(), overrides)
+    return load_config(args.config or default_config_path(), overrides)
 
 
-def _default_config_path() -> str:
+def default_config_path() -> str:
     from importlib.resources import files
 
-    return str(files("cluster") / "configs" / "cpu.yaml")
+    return str(files("kvtide.cluster") / "configs" / "cpu.yaml")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

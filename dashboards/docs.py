@@ -52,9 +52,6 @@ def render_metrics_md() -> str:
             meaning = m.help + (f" Exists after: {m.needs}." if m.needs else "")
             out.append(f"| `{m.name}` | {m.kind.value} | {labels} | {m.unit} | {meaning} |")
         out.append("")
-    if not any(m.source is Source.ROUTER for m in CATALOG):
-        out += ["Router metrics are not exported yet; their panels and alert rule switch on when they are "
-                "added to `dashboards/catalog.py`.", ""]
     out += ["## Dashboards", "",
             "Generated into `dashboards/generated/` and the chart's `helm/kvtide/dashboards/`; push them with "
             "`kvtide dashboards push`. Variables: `datasource`, `namespace` (All matches series without the "

@@ -13,8 +13,8 @@ with Grafana without hand-written dicts; the specs keep kvtide's content indepen
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from grafana_foundation_sdk.builders import common as gcb
 from grafana_foundation_sdk.builders import dashboard as gdb
@@ -25,7 +25,6 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common as gcommon
 from grafana_foundation_sdk.models import dashboard as gmodel
 
-from kvtide.dashboards.catalog import has
 
 DATASOURCE = gmodel.DataSourceRef(type_val="prometheus", uid="${datasource}")
 
@@ -82,11 +81,6 @@ class DashboardSpec:
 
     def panels(self) -> list[PanelSpec]:
         return [panel for row in self.rows for panel in row.panels]
-
-
-def optional(requires: tuple[str, ...], make: Callable[[], PanelSpec]) -> tuple[PanelSpec, ...]:
-    """`make()` only once every metric in `requires` is catalogued (router metrics, later ones)."""
-    return (make(),) if all(has(name) for name in requires) else ()
 
 
 # --- rendering ---------------------------------------------------------------------------

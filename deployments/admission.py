@@ -26,6 +26,8 @@ once with an answer the client can act on, and nothing waits without limit:
    engine call is cancelled, which aborts the request in vLLM and frees its KV blocks.
 
 Health, readiness and model listing never pass the gate: they stay answerable at saturation.
+Serve's own per-replica cap on the Ingress deployment is derived from the gate (gate +
+`UNGATED_CALLS_HEADROOM`), so Serve never queues what the gate should refuse.
 Pure logic (no Ray): the ingress adapts it; unit-tested with plain numbers.
 """
 
@@ -46,10 +48,19 @@ class AdmissionLimits:
     """
 
     max_ongoing_requests: int  # the gate, per ingress replica
+    # Serve's max_ongoing_requests on the Ingress deployment: the gate plus room for the
+    # calls that bypass it (health, readiness, models, hot-prefix lookups). Below the gate,
+    # Serve would queue requests in its proxy where the gate cannot answer 429.
+    ingress_max_ongoing_requests: int
     max_queued_requests_per_handle: int  # Serve's handle queue on the Engine deployment, per caller
     request_timeout_s: float | None
     retry_after_s: int
     max_retries: int
+
+
+# Concurrent ungated calls (probes, /v1/models, hot-prefix lookups) an ingress replica takes
+# on top of its gate.
+UNGATED_CALLS_HEADROOM = 64
 
 
 def engine_replicas_for_capacity(config: KvtideConfig) -> int:
@@ -70,6 +81,7 @@ def admission_limits(config: KvtideConfig) -> AdmissionLimits:
         ongoing = max(1, math.ceil((batch_slots + queued) / num_ingress))
     return AdmissionLimits(
         max_ongoing_requests=ongoing,
+        ingress_max_ongoing_requests=ongoing + UNGATED_CALLS_HEADROOM,
         max_queued_requests_per_handle=max(1, math.ceil(queued / num_ingress)),
         request_timeout_s=admission.request_timeout_s,
         retry_after_s=admission.retry_after_s,

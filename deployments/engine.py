@@ -142,6 +142,7 @@ class EngineReplica:
             top_p=1.0 if spec.top_p is None else spec.top_p,
             seed=spec.seed,
             stop=list(spec.stop) or None,
+            ignore_eos=spec.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
         )
         num_output_tokens = 0

@@ -233,7 +233,7 @@ class Ingress:
 
     def _sampling(self, req: Any, max_tokens: int) -> SamplingSpec:
         return SamplingSpec(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                            seed=req.seed, stop=tuple(req.stop or ()))
+                            seed=req.seed, stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos)
 
     # ---- tokenization (once, here) -------------------------------------------------
 

@@ -41,7 +41,6 @@ class KvEventListener:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtide-kv-events", daemon=True)
-        self.num_batches = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -80,6 +79,5 @@ class KvEventListener:
                 with self._lock:
                     for event in batch.events:
                         self.tracker.apply(event)
-                self.num_batches += 1
         finally:
             sock.close()

@@ -8,7 +8,7 @@ neither side imports the other's heavy dependencies (vLLM stays out of the ingre
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class SamplingSpec:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks, tests)
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,5 @@ class GenerateDelta:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     finish_reason: str | None = None
-    # Filled on the last delta only: True if the engine ended the request on an error.
-    error: str | None = field(default=None)
     # Which engine replica served it (surfaced as the x-kvtide-replica response header).
     replica_id: str = ""

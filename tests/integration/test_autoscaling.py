@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from pathlib import Path
 
 import httpx
 from ray import serve
-from support import metric_sum, wait_for
+from support import metric_sum, running_engines, wait_for
 
 from kvtide.cluster.app import build_from_config
 from kvtide.config import load_config
@@ -18,13 +17,6 @@ REPO = Path(__file__).resolve().parents[2]
 APP = "kvtide-autoscale"
 MODEL = "kvtide-demo-as"
 WORDS = "red green blue cyan magenta yellow black white orange purple brown pink gray olive navy teal".split()
-
-
-def _engine_replicas() -> int:
-    status = serve.status().applications.get(APP)
-    if status is None or "Engine" not in status.deployments:
-        return 0
-    return status.deployments["Engine"].replica_states.get("RUNNING", 0)
 
 
 def _text(seed: int, num_words: int) -> str:
@@ -49,7 +41,7 @@ def test_kv_pressure_scales_up_warm_and_back_down(cluster, cluster_config):
     client = httpx.Client(base_url=base, timeout=180)
     stop = threading.Event()
     try:
-        assert _engine_replicas() == 1
+        assert running_engines(APP) == 1
         hot = _text(7, 450)  # a shared system prompt of ~900 tokens, seen by the ingress as hot
         for i in range(4):
             r = client.post("/v1/completions", json={"model": MODEL, "prompt": f"{hot} q{i}", "max_tokens": 1})
@@ -66,9 +58,8 @@ def test_kv_pressure_scales_up_warm_and_back_down(cluster, cluster_config):
         workers = [threading.Thread(target=load, args=(w,), daemon=True) for w in range(4)]
         for w in workers:
             w.start()
-        started_s = time.monotonic()
-        wait_for(lambda: _engine_replicas() == 2, timeout_s=150, interval_s=1.0, what="a second engine replica")
-        scale_up_s = time.monotonic() - started_s
+        # The bound is generous (engine start on a loaded 2-core machine); wait_for raises past it.
+        wait_for(lambda: running_engines(APP) == 2, timeout_s=150, interval_s=1.0, what="a second engine replica")
         stop.set()
         for w in workers:
             w.join(timeout=180)
@@ -86,9 +77,8 @@ def test_kv_pressure_scales_up_warm_and_back_down(cluster, cluster_config):
         assert served_by_new >= 512, f"the new replica's first hot request had {served_by_new} cached tokens"
         wait_for(lambda: metric_sum(cluster.metrics_url, "ray_kvtide_engine_warmup_prefill_tokens_total",
                                     model=MODEL) > 0, timeout_s=60, what="the warm-up prefill counter")
-        assert scale_up_s < 150
 
-        wait_for(lambda: _engine_replicas() == 1, timeout_s=120, interval_s=1.0, what="scale back down to min")
+        wait_for(lambda: running_engines(APP) == 1, timeout_s=120, interval_s=1.0, what="scale back down to min")
     finally:
         stop.set()
         serve.delete(APP)

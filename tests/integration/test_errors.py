@@ -113,7 +113,8 @@ def test_server_still_serves_after_bad_input(http, cluster):
 def test_client_disconnect_aborts_the_request_in_the_engine(http, cluster):
     """Closing a stream mid-generation aborts it in vLLM: KV blocks are freed, nothing keeps running."""
     aborted_before = metric_sum(cluster.metrics_url, "ray_kvtide_engine_aborted_requests_total")
-    body = {"model": cluster.model_name, "prompt": "while True:", "max_tokens": 3000, "stream": True}
+    body = {"model": cluster.model_name, "prompt": "while True:", "max_tokens": 3000, "stream": True,
+            "ignore_eos": True}
     with http.stream("POST", "/v1/completions", json=body) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()

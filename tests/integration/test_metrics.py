@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import httpx
 from support import metric_sum, metric_values, wait_for
 
 ENGINE_SERIES = [

@@ -22,7 +22,8 @@ def test_models_lists_the_served_model(client, cluster):
 
 def test_completion_returns_text_usage_and_finish_reason(client, cluster):
     """A non-streamed completion honours max_tokens and reports usage and finish_reason."""
-    resp = client.completions.create(model=cluster.model_name, prompt="def fibonacci(n):", max_tokens=7)
+    resp = client.completions.create(model=cluster.model_name, prompt="def fibonacci(n):", max_tokens=7,
+                                     extra_body={"ignore_eos": True})
     assert resp.object == "text_completion"
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.completion_tokens == 7
@@ -34,11 +35,12 @@ def test_completion_returns_text_usage_and_finish_reason(client, cluster):
 def test_chat_applies_template_and_counts_prompt_tokens(client, cluster):
     """Chat messages are rendered with the model's chat template before tokenizing."""
     short = client.chat.completions.create(
-        model=cluster.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        model=cluster.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        extra_body={"ignore_eos": True})
     longer = client.chat.completions.create(
         model=cluster.model_name,
         messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}],
-        max_completion_tokens=3)
+        max_completion_tokens=3, extra_body={"ignore_eos": True})
     assert short.choices[0].message.role == "assistant"
     assert short.usage.completion_tokens == 3 and longer.usage.completion_tokens == 3
     # The system turn adds its role marker, content and end marker on top of the user turn.
@@ -57,7 +59,7 @@ def test_chat_stream_with_usage_matches_openai_shape(client, cluster):
     """A streamed chat yields a role delta, content deltas, a finish chunk, then one usage chunk."""
     stream = client.chat.completions.create(
         model=cluster.model_name, messages=[{"role": "user", "content": "Tell me about lists."}],
-        max_tokens=10, stream=True, stream_options={"include_usage": True})
+        max_tokens=10, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -83,11 +85,12 @@ def test_completion_stream_ends_with_done(cluster, http):
 
 def test_stop_sequence_ends_generation(client, cluster):
     """A stop string found in the output ends the choice with finish_reason 'stop' and is not returned."""
-    probe = client.completions.create(model=cluster.model_name, prompt="x = [", max_tokens=24, temperature=0)
+    probe = client.completions.create(model=cluster.model_name, prompt="x = [", max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
     text = probe.choices[0].text
     stop = text[len(text) // 2: len(text) // 2 + 2] or text[:1]
     resp = client.completions.create(model=cluster.model_name, prompt="x = [", max_tokens=24, temperature=0,
-                                     stop=[stop])
+                                     stop=[stop], extra_body={"ignore_eos": True})
     assert resp.choices[0].finish_reason == "stop"
     assert stop not in resp.choices[0].text
     assert text.startswith(resp.choices[0].text)
@@ -100,7 +103,8 @@ def test_32_concurrent_streams_all_complete(cluster):
     async def one(i: int) -> int:
         stream = await client.chat.completions.create(
             model=cluster.model_name, messages=[{"role": "user", "content": f"request number {i}"}],
-            max_tokens=16, stream=True, stream_options={"include_usage": True})
+            # ignore_eos: the random demo model may sample EOS early; the count must be exact.
+            max_tokens=16, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         usage = None
         async for chunk in stream:
             usage = chunk.usage or usage

@@ -32,7 +32,7 @@ def test_groups_with_distinct_prefixes_split_and_keep_affinity(http, cluster):
     # replica (and the engines have reported it), group B's first request goes elsewhere.
     with ThreadPoolExecutor(1) as pool:
         long_a = pool.submit(lambda: http.post("/v1/completions", json={
-            "model": cluster.model_name, "prompt": f"{prefixes['A']} long?", "max_tokens": 2000}))
+            "model": cluster.model_name, "prompt": f"{prefixes['A']} long?", "max_tokens": 2000, "ignore_eos": True}))
         wait_for(lambda: metric_sum(cluster.metrics_url, "ray_vllm_num_requests_running") >= 1,
                  timeout_s=60, what="the engines to report group A's long request running")
         first = {"B": _ask(http, cluster.model_name, prefixes["B"], "q0")[0]}

@@ -104,3 +104,13 @@ def test_prompt_char_limit_defaults_to_16_chars_per_context_token():
     """null max_prompt_chars is 16 x max_model_len; a configured one wins."""
     assert max_prompt_chars(_config(engine={"max_model_len": 4096})) == 65536
     assert max_prompt_chars(_config(ingress={"max_prompt_chars": 1000})) == 1000
+
+
+@pytest.mark.parametrize("num_replicas, max_num_seqs", [(1, 4), (2, 64), (64, 256)])
+def test_serve_never_caps_the_ingress_below_the_admission_gate(num_replicas, max_num_seqs):
+    """Serve's max_ongoing_requests on the Ingress is above the gate, so overload is a 429, not a proxy queue."""
+    from kvtide.cluster.app import ingress_deployment_options
+
+    config = _config(replicas={"num_replicas": num_replicas}, engine={"max_num_seqs": max_num_seqs})
+    gate = admission_limits(config).max_ongoing_requests
+    assert ingress_deployment_options(config)["max_ongoing_requests"] > gate

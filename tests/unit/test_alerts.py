@@ -138,14 +138,6 @@ def test_condition_free_signal_is_inside_every_expression() -> None:
         assert rule.signal and rule.signal in rule.expr, rule.name
 
 
-def test_router_rule_waits_for_router_metrics() -> None:
-    """The router fallback rule is emitted exactly when its metric is catalogued."""
-    from kvtide.dashboards.catalog import has
-
-    names = {r.name for r in _enabled()}
-    assert ("KvtideRouterLoadFallbackHigh" in names) == has("ray_kvtide_router_decisions_total")
-
-
 @pytest.mark.parametrize("chart", [False, True], ids=["plain", "chart"])
 def test_rule_files_pass_promtool_check(tmp_path: Path, chart: bool) -> None:
     """promtool accepts both files (PromQL and annotation templates), the chart's once Helm substitutes the job."""

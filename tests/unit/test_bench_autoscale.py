@@ -5,8 +5,10 @@ from __future__ import annotations
 from kvtide.benchmarks.autoscale import Probe, RunResult, Trace, markdown, summarize_run
 
 
+TRACE = Trace(low_s=10, high_s=20, tail_s=10)
+
+
 def _run() -> RunResult:
-    trace = Trace(low_s=10, high_s=20, tail_s=10)
     result = RunResult("kv")
     # One replica until t=18 (decision at 14: target 2), two running from 18 to 30, one again after.
     result.replicas = [(float(t), 2 if 18 <= t < 30 else 1, 2 if 14 <= t < 30 else 1) for t in range(40)]
@@ -18,7 +20,7 @@ def _run() -> RunResult:
 
 def test_replica_seconds_and_scale_timings():
     """Replica-seconds integrate running replicas; decision and serving are timed from the load step."""
-    summary = summarize_run(_run(), Trace(low_s=10, high_s=20, tail_s=10))
+    summary = summarize_run(_run(), TRACE)
     assert summary["replica_seconds"] == 40 + 12
     assert summary["scale_decision_after_step_s"] == 4.0
     assert summary["added_replica_serving_after_step_s"] == 8.0
@@ -27,7 +29,7 @@ def test_replica_seconds_and_scale_timings():
 
 def test_new_replica_first_probes_and_phase_percentiles():
     """The first probes served by a replica other than the first one are the new replica's TTFTs."""
-    summary = summarize_run(_run(), Trace(low_s=10, high_s=20, tail_s=10))
+    summary = summarize_run(_run(), TRACE)
     assert summary["new_replica_first_probe_ttft_s"] == [0.03, 0.04]
     assert summary["probe_ttft_by_phase_s"]["low"]["n"] == 1
     assert summary["probe_errors"] == 1
@@ -35,5 +37,5 @@ def test_new_replica_first_probes_and_phase_percentiles():
 
 def test_markdown_has_one_row_per_variant():
     """The report table carries a row per variant with its replica-seconds."""
-    text = markdown([summarize_run(_run(), Trace(low_s=10, high_s=20, tail_s=10))], Trace(), "cmd", ["a=1"])
+    text = markdown([summarize_run(_run(), TRACE)], Trace(), "cmd", ["a=1"])
     assert "| kv | 52 | 2 | 4 | 8 | 30, 40 |" in text

@@ -4,8 +4,8 @@ Rendering uses Helm 4's own engine (helm-python-sdk, no helm binary), so values.
 `fail` calls and template functions behave exactly as at `helm install`. Every rendered
 object is validated: core kinds against Kubernetes' OpenAPI schemas (kubernetes-validate,
 shipped offline), RayService / PodMonitor / PrometheusRule against the CRDs of KubeRay
-v1.7.0 and the Prometheus operator in ../shared/crds, serveConfigV2 against Ray Serve's
-own ServeDeploySchema and kvtide's config model.
+v1.7.0 and prometheus-operator v0.93.0 vendored in tests/unit/crds, serveConfigV2 against
+Ray Serve's own ServeDeploySchema and kvtide's config model.
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ from kvtide.cluster.serve_config import serve_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "helm" / "kvtide"
-# CI clones the repo into its own folder with shared/ as a sibling: <root>/../shared/crds.
-CRD_DIR = REPO_ROOT.parent / "shared" / "crds"
+# Vendored so a plain clone validates offline; provenance and versions in crds/README.md.
+CRD_DIR = Path(__file__).resolve().parent / "crds"
 KUBE_VERSION = "1.30.0"  # oldest Kubernetes the chart is validated against (Chart.yaml: >=1.27)
 RELEASE, NAMESPACE = "demo", "llm"
 FULLNAME = "demo-kvtide"
 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the RayService CRD is 1 MB
 
-# (group/version, kind) -> CRD file in ../shared/crds
+# (group/version, kind) -> CRD file in CRD_DIR
 _CRD_FILES = {
     ("ray.io/v1", "RayService"): "ray.io_rayservices.yaml",
     ("monitoring.coreos.com/v1", "PodMonitor"): "monitoring.coreos.com_podmonitors.yaml",
@@ -146,11 +146,6 @@ def _close_objects(schema: Any) -> Any:
 @lru_cache(maxsize=None)
 def crd_validator(api_version: str, kind: str) -> jsonschema.protocols.Validator:
     """A validator for the `v1` openAPIV3Schema of the CRD behind (apiVersion, kind)."""
-    if not CRD_DIR.is_dir():
-        pytest.fail(
-            f"CRD folder {CRD_DIR} is missing: the chart's RayService/PodMonitor/PrometheusRule are "
-            "validated against the KubeRay v1.7.0 and prometheus-operator CRDs in <repo>/../shared/crds"
-        )
     path = CRD_DIR / _CRD_FILES[(api_version, kind)]
     crd = yaml.load(path.read_text(), Loader=_YAML_LOADER)
     version = api_version.split("/")[1]
@@ -171,7 +166,7 @@ def validate_object(obj: dict[str, Any]) -> None:
         )
         return
     if obj["apiVersion"].startswith("gateway.networking.k8s.io/"):
-        # No Gateway API CRD is vendored in shared/crds; check_httproute pins its shape.
+        # No Gateway API CRD is vendored in tests/unit/crds; check_httproute pins its shape.
         check_httproute(obj)
         return
     kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
@@ -298,6 +293,14 @@ def _worker_groups(values: dict[str, Any]) -> list[tuple[str, int, int, int]]:
 def test_worker_pods_follow_replica_bounds_and_tensor_parallelism(case: str, expected: list) -> None:
     """Worker pod bounds are kvtide replica bounds x TP / gpusPerPod, rounded up."""
     assert _worker_groups(CASES[case]) == expected
+
+
+def test_gpu_share_packs_several_engines_per_worker_pod() -> None:
+    """gpus_per_worker 0.5 on 2-GPU pods: 4 engines per pod, so 1..8 engines need 1..2 pods."""
+    values = {"kvtide": {"resources": {"gpus_per_worker": 0.5}, "engine": {"kv_cache_memory_bytes": 1 << 33},
+                         "replicas": {"min_replicas": 1, "max_replicas": 8}},
+              "workerGroups": [{"name": "gpu", "gpusPerPod": 2}]}
+    assert _worker_groups(values) == [("gpu", 2, 1, 2)]
 
 
 def test_worker_groups_without_resources_get_the_worker_defaults() -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvtide.config import parse_config
-from kvtide.deployments.placement import cpu_threads_bind, engine_kwargs, logical_cpus_needed, placement_bundles
+from kvtide.deployments.placement import (
+    cpu_threads_bind, engine_kwargs, logical_cpus_needed, placement_bundles, replica_actor_options)
 
 
 def test_gpu_tp_gets_one_gpu_bundle_per_worker_and_ray_executor():
@@ -58,3 +59,36 @@ def test_cpu_threads_bind_needs_cores():
     """No cores to bind is an error, not an empty mask."""
     with pytest.raises(ValueError):
         cpu_threads_bind(0, 1, [])
+
+
+@pytest.mark.parametrize(("resources", "engine", "actor_gpus", "bundles"), [
+    # TP=1: the replica actor takes bundle 0's GPU, so Ray gives it its own CUDA_VISIBLE_DEVICES.
+    ({"device": "gpu"}, {}, 1.0, [{"CPU": 2.0, "GPU": 1.0}]),
+    # A GPU share: two replicas per GPU, each actor holding half of bundle 0's GPU.
+    ({"device": "gpu", "gpus_per_worker": 0.5}, {"kv_cache_memory_bytes": 1 << 30}, 0.5, [{"CPU": 2.0, "GPU": 0.5}]),
+    # TP=2: vLLM's Ray workers take the GPUs; the actor takes none.
+    ({"device": "gpu"}, {"tensor_parallel_size": 2}, 0, [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]),
+    ({"device": "cpu"}, {}, 0, [{"CPU": 2.0}]),
+])
+def test_replica_actor_owns_its_gpu_only_for_tp1(resources, engine, actor_gpus, bundles):
+    """A TP=1 GPU replica asks for its bundle's GPU (or share); TP>1 and CPU replicas ask for none."""
+    config = parse_config({"resources": resources, "engine": engine})
+    assert replica_actor_options(config) == {"num_cpus": 1.0, "num_gpus": actor_gpus}
+    assert placement_bundles(config) == bundles
+    # The actor fits in bundle 0, which it shares with TP worker 0.
+    assert replica_actor_options(config)["num_gpus"] <= bundles[0].get("GPU", 0)
+
+
+@pytest.mark.parametrize(("data", "words"), [
+    ({"resources": {"device": "gpu", "gpus_per_worker": 0.5}, "engine": {"tensor_parallel_size": 2,
+                                                                          "kv_cache_memory_bytes": 1 << 30}},
+     ["gpus_per_worker=0.5", "tensor_parallel_size=2", "TP=1"]),
+    ({"resources": {"device": "gpu", "gpus_per_worker": 0.25}}, ["gpus_per_worker=0.25", "kv_cache_memory_bytes"]),
+])
+def test_gpu_share_needs_tp1_and_explicit_kv_size(data, words):
+    """Sharing a GPU is refused with TP>1 or without an explicit KV size, naming the field and the fix."""
+    from kvtide.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert all(w in str(info.value) for w in words), str(info.value)

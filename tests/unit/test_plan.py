@@ -11,7 +11,6 @@ from kvtide.autoscaling.capacity import (
     GIB,
     ModelShape,
     estimate_num_params,
-    kv_bytes_per_token,
     plan_capacity,
     shape_from_config,
     suggest_tp,
@@ -38,7 +37,6 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
 
 def test_llama_70b_kv_bytes_per_token():
     """Llama-3.1-70B in bf16 needs 2 × 80 × 8 × 128 × 2 = 327,680 KV bytes per token."""
-    assert kv_bytes_per_token(80, 8, 128, "bf16") == 327_680
     assert LLAMA_70B.kv_bytes_per_token == 327_680
 
 

@@ -62,6 +62,16 @@ def test_new_epoch_is_applied_even_with_lower_sequence(index):
     assert index.match(PROMPT, 0.0) == {"a": 1}
 
 
+def test_older_epoch_digest_is_ignored_and_newer_epoch_replaces(index):
+    """A late digest from a previous engine lifetime is ignored, whatever its sequence; a later lifetime replaces."""
+    index.apply_digest(digest("a", PROMPT[:2], 1, epoch=2))
+    assert index.apply_digest(digest("a", PROMPT, 9, epoch=1)) is False
+    assert index.match(PROMPT, 0.0) == {"a": 2}
+    assert index.apply_digest(digest("a", PROMPT[:5], 1, epoch=3)) is True
+    assert index.match(PROMPT, 0.0) == {"a": 5}
+    assert index.num_engine_blocks == 5
+
+
 def test_routing_history_attracts_before_first_digest(index):
     """Blocks routed to a replica count as held there before any digest arrives."""
     index.on_routed("a", PROMPT[:6], now_s=100.0)

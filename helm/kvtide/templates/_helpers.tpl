@@ -120,7 +120,8 @@ max: 1
 Pod counts of one worker group, as YAML {gpusPerPod, minReplicas, maxReplicas}.
 Call with (dict "root" $ "group" $group "index" $i).
 An engine replica's tensor-parallel workers must share a pod (one node, NVLink, one
-placement group), so gpusPerPod is a multiple of TP and a pod holds gpusPerPod/TP engines:
+placement group), so gpusPerPod is a multiple of TP and a pod holds gpusPerPod/TP engines,
+or gpusPerPod x floor(1/gpus_per_worker) engines when TP=1 replicas share GPUs:
   pods = ceil(engine replicas / engines per pod)
 The first group carries the minimum; every group can grow to the maximum.
 */}}
@@ -134,7 +135,9 @@ The first group carries the minimum; every group can grow to the maximum.
 {{- if ne (mod $gpus $tp) 0 }}
 {{- fail (printf "%s.gpusPerPod=%d is not a multiple of kvtide.engine.tensor_parallel_size=%d: an engine replica's %d GPUs must sit in one pod. Set gpusPerPod to %d, %d, ... (up to the GPUs of one node) or change tensor_parallel_size" $field $gpus $tp $tp $tp (mul 2 $tp)) }}
 {{- end }}
-{{- $enginesPerPod := div $gpus $tp }}
+{{- $share := float64 (dig "resources" "gpus_per_worker" 1.0 $root.Values.kvtide) }}
+{{- $enginesPerGpu := int (floor (divf 1.0 $share)) }}
+{{- $enginesPerPod := mul (div $gpus $tp) $enginesPerGpu }}
 {{- $engines := include "kvtide.engineReplicas" $root | fromYaml }}
 {{- $min := 0 }}
 {{- if eq (int .index) 0 }}
