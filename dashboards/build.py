@@ -122,6 +122,12 @@ def overview() -> DashboardSpec:
                   description="Gap between output tokens of streamed requests, per token.", preview=True),
         PanelSpec("End-to-end latency", _quantiles(S, "ray_kvtide_e2e_latency_seconds"), unit="s", width=8,
                   description="Arrival at the ingress to the last byte.", preview=True),
+        PanelSpec("TTFT by phase (p50)",
+                  (Query(quantile(0.5, S, "ray_kvtide_ttft_phase_seconds", "phase", W), "{{phase}}"),),
+                  unit="s", width=24, preview=True,
+                  description="Where time to first token goes: frontend (gate, parse, tokenize), transport "
+                              "(routing, Ray hops, waiting for a replica) and the engine's own queue + prefill. "
+                              "The serving path's cost is frontend + transport."),
     ))
     traffic = RowSpec("Traffic", (
         PanelSpec("Requests / s by endpoint and status",

@@ -97,6 +97,9 @@ CATALOG: tuple[Metric, ...] = (
            "Arrival at the ingress to the first output token (buckets 5 ms .. 60 s).", "model"),
     Metric("ray_kvtide_inter_token_latency_seconds", _H, _I, _ING, "s",
            "Time between output tokens of a streamed request, per token.", "model"),
+    Metric("ray_kvtide_ttft_phase_seconds", _H, _I, ("model", "phase"), "s",
+           "Time to first token by phase: frontend (arrival to the engine call), transport (routing, Ray hops, "
+           "waiting for a replica), engine (the engine's own queue + prefill).", "model"),
     Metric("ray_kvtide_e2e_latency_seconds", _H, _I, _ING, "s",
            "Arrival at the ingress to the last byte of the response.", "model"),
     Metric("ray_kvtide_requests_total", _C, _I, (*_ING, "status"), "requests",

@@ -145,12 +145,14 @@ class EngineReplica:
             ignore_eos=spec.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
         )
+        called_s = time.perf_counter()
         num_output_tokens = 0
+        outputs = self.engine.generate(
+            TokensPrompt(prompt_token_ids=request.prompt_token_ids), params, request_id=request.request_id)
         try:
-            async for out in self.engine.generate(
-                TokensPrompt(prompt_token_ids=request.prompt_token_ids), params, request_id=request.request_id
-            ):
+            async for out in outputs:
                 completion = out.outputs[0]
+                first = num_output_tokens == 0 and len(completion.token_ids) > 0
                 num_output_tokens += len(completion.token_ids)
                 yield GenerateDelta(
                     text=completion.text,
@@ -158,12 +160,15 @@ class EngineReplica:
                     num_prompt_tokens=len(request.prompt_token_ids),
                     num_cached_tokens=out.num_cached_tokens or 0,
                     finish_reason=completion.finish_reason if out.finished else None,
+                    engine_ttft_s=time.perf_counter() - called_s if first else None,
                     replica_id=self.replica_id,
                 )
-        except asyncio.CancelledError:
-            # The caller went away (client disconnect, timeout). AsyncLLM.generate has
-            # already aborted the request in the engine core, freeing its KV blocks.
+        except (asyncio.CancelledError, GeneratorExit):
+            # The caller went away (client disconnect, deadline, handle cancel) or closed the
+            # stream early. Closing vLLM's generator aborts the request in the engine core,
+            # freeing its KV blocks (a cancelled one has aborted already).
             self.aborted_requests.inc(1, {"model": self.config.model_name})
+            await outputs.aclose()
             raise
 
     async def ready(self) -> bool:
@@ -177,7 +182,6 @@ class EngineReplica:
             "num_running": load.num_running,
             "num_waiting": load.num_waiting,
             "kv_usage_perc": load.kv_usage_perc,
-            "block_size": self.config.engine.block_size,
         }
         if self.kv_listener is not None:
             stats["digest"] = self.kv_listener.digest(time.time())

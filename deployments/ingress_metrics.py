@@ -1,4 +1,7 @@
-"""Ingress metrics, exported through Ray's metrics agent (Prometheus names gain `ray_`).
+"""OpenAI frontend metrics, exported through Ray's metrics agent (Prometheus names gain `ray_`).
+
+They live where the frontend runs: an ingress replica (ingress mode) or an engine replica
+serving HTTP itself (direct mode); the names are the same in both.
 
 Latency histograms use buckets from 5 ms to 60 s: CPU demo engines sit at the top,
 H200 engines at the bottom, and both must resolve p50 and p99.
@@ -9,6 +12,10 @@ from __future__ import annotations
 from ray.util import metrics
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+# Serving-path phases sit well under a millisecond on a good path: finer buckets at the bottom.
+PHASE_BUCKETS_S = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 10.0, 60.0]
+TTFT_PHASES = ("frontend", "transport", "engine")
 ITL_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
 
@@ -35,6 +42,15 @@ class IngressMetrics:
         self.admission_rejections = metrics.Counter(
             "kvtide_admission_rejections", "Requests refused to protect the fleet, by reason "
             "(ingress_full, engine_queue_full: 429; timeout: 504).", tag_keys=("model", "reason"))
+
+        self.ttft_phase_s = metrics.Histogram(
+            "kvtide_ttft_phase_seconds", "Time to first token by phase: frontend (arrival to the engine call: gate, "
+            "parse, tokenize), transport (routing, Ray hops, waiting for a replica), engine (the engine's own "
+            "queue + prefill).", boundaries=PHASE_BUCKETS_S, tag_keys=("model", "phase"))
+
+    def on_ttft_phases(self, model: str, frontend_s: float, transport_s: float, engine_s: float) -> None:
+        for phase, value_s in zip(TTFT_PHASES, (frontend_s, transport_s, engine_s)):
+            self.ttft_phase_s.observe(max(value_s, 0.0), {"model": model, "phase": phase})
 
     def on_rejected(self, model: str, reason: str) -> None:
         self.admission_rejections.inc(1, {"model": model, "reason": reason})

@@ -45,5 +45,8 @@ class GenerateDelta:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    # On the first delta with tokens: the engine's own time from the call to that token
+    # (queue + prefill), so the frontend can tell the serving path's share of TTFT.
+    engine_ttft_s: float | None = None
     # Which engine replica served it (surfaced as the x-kvtide-replica response header).
     replica_id: str = ""

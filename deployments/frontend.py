@@ -1,0 +1,278 @@
+"""The OpenAI request pipeline, wherever it runs (an ingress replica, or an engine replica).
+
+A request's path, each step refusing with an OpenAI-style body:
+
+    admission gate (429) → read + validate + tokenize once (prompts.PromptBuilder: 400/404/413)
+      → open the engine stream (engine_client: 429 engine queue full, 503 no replica, 504 deadline)
+      → respond: JSON, or SSE (sse.ChunkRenderer); a failure after the first byte is an SSE
+        error event + [DONE]
+
+Authentication is not here: openai_app puts it in front of every /v1 route as a FastAPI
+dependency. A client that disconnects mid-stream cancels the engine call, which aborts the
+request inside the engine. Prompts and keys are never logged: log lines carry request ids
+and exception class names only.
+
+TTFT is split where the time goes (`kvtide_ttft_phase_seconds`): `frontend` (arrival to the
+engine call: gate, parsing, tokenizing), `engine` (the engine's own time to its first token,
+which it reports in the first delta) and `transport` (the rest: routing, Ray hops, queueing
+for a replica). Their sum is the TTFT the client sees, minus the first byte's trip out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvtide.config import KvtideConfig
+from kvtide.deployments.admission import AdmissionGate, Deadline, admission_limits
+from kvtide.deployments.engine_client import EngineClient, EngineStream, timeout_error
+from kvtide.deployments.hot_prefixes import HotPrefixTracker
+from kvtide.deployments.ingress_metrics import IngressMetrics
+from kvtide.deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec
+from kvtide.deployments.prompts import Prompt, PromptBuilder, parse_json_body
+from kvtide.deployments.protocol import ApiError, Usage, chat_response, completion_response, now_s
+from kvtide.deployments.routing.block_hash import block_hashes
+from kvtide.deployments.sse import DONE, ChunkRenderer, error_event
+
+logger = logging.getLogger("kvtide.frontend")
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class _Ticket:
+    """One admitted request's hold on the gate; released exactly once, however the request ends."""
+
+    __slots__ = ("_gate", "_held")
+
+    def __init__(self, gate: AdmissionGate):
+        self._gate, self._held = gate, True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._gate.leave()
+
+
+@dataclass
+class _Timing:
+    """perf_counter marks of one request, for the TTFT breakdown."""
+
+    arrived_s: float
+    engine_called_s: float = 0.0
+    first_token_s: float | None = None
+
+
+class OpenAIFrontend:
+    """Admission, prompts, the engine call and the response of one replica's OpenAI endpoints."""
+
+    def __init__(self, config: KvtideConfig, prompts: PromptBuilder, engine: EngineClient,
+                 metrics: IngressMetrics, hot_prefixes: HotPrefixTracker | None):
+        self.config = config
+        self.prompts = prompts
+        self.engine = engine
+        self.metrics = metrics
+        self.hot_prefixes = hot_prefixes
+        self.model_name = config.model_name
+        self.block_size = config.engine.block_size
+        self.send_prompt_text = config.routing.policy == "ray_prefix"
+        self.limits = admission_limits(config)
+        self.gate = AdmissionGate(self.limits.max_ongoing_requests)
+
+    # ---- entry --------------------------------------------------------------------------
+
+    async def handle(self, request: Any, endpoint: str) -> Any:
+        """admission → validate and tokenize → generate; every refusal an OpenAI error body."""
+        timing = _Timing(arrived_s=time.perf_counter())
+        if not self.gate.try_enter():
+            self.metrics.on_rejected(self.model_name, "ingress_full")
+            self.metrics.on_request_done(self.model_name, endpoint, 429)
+            return error_response(ApiError(
+                429, f"this server is at capacity ({self.gate.limit} requests in flight per replica); "
+                     "retry after the Retry-After delay", code="rate_limit_exceeded",
+                headers={"Retry-After": str(self.limits.retry_after_s)}))
+        ticket = _Ticket(self.gate)
+        deadline = Deadline(self.limits.request_timeout_s, time.monotonic())
+        streaming = False
+        try:
+            prompt = self.prompts.build(endpoint, parse_json_body(await self.prompts.read_body(request)))
+            response = await self._run(endpoint, prompt, deadline, ticket, timing)
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        except ApiError as err:
+            self.metrics.on_request_done(self.model_name, endpoint, err.status)
+            return error_response(err)
+        except Exception as exc:  # a bug, not the client's fault: still an OpenAI body, never a hang
+            # Frames only: an exception's message may quote the prompt, which is never logged.
+            logger.error("request on %s failed unexpectedly: %s\n%s", endpoint, type(exc).__name__,
+                         "".join(traceback.format_tb(exc.__traceback__)))
+            self.metrics.on_request_done(self.model_name, endpoint, 500)
+            return error_response(ApiError(500, "internal error; retry the request", code="internal_error"))
+        finally:
+            if not streaming:  # a stream's body releases the gate when it ends
+                ticket.release()
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "kvtide",
+            "max_model_len": self.config.engine.max_model_len,
+        }]}
+
+    # ---- the generation paths --------------------------------------------------------
+
+    def _on_rejected(self, reason: str) -> None:
+        self.metrics.on_rejected(self.model_name, reason)
+
+    async def _run(self, endpoint: str, prompt: Prompt, deadline: Deadline, ticket: _Ticket,
+                   timing: _Timing) -> Any:
+        req = prompt.request
+        rid = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        hashes = tuple(block_hashes(prompt.token_ids, self.block_size))
+        if self.hot_prefixes is not None:
+            self.hot_prefixes.observe(prompt.token_ids, hashes, time.monotonic())
+        gen_req = GenerateRequest(
+            request_id=rid, prompt_token_ids=prompt.token_ids,
+            sampling=SamplingSpec(max_tokens=prompt.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  seed=req.seed, stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos),
+            block_hashes=hashes,
+            prompt=self.prompts.tokenizer.decode(prompt.token_ids) if self.send_prompt_text else None)
+        tags = {"model": self.model_name, "endpoint": endpoint}
+        self.metrics.prompt_tokens.inc(len(prompt.token_ids), tags)
+        timing.engine_called_s = time.perf_counter()
+        stream = await self.engine.open(gen_req, deadline, self._on_rejected)
+        first = stream.first
+        if first is not None and first.num_output_tokens:
+            self._on_first_token(timing, first)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            renderer = ChunkRenderer(endpoint, rid, self.model_name, now_s(), include_usage)
+            body = self._stream(renderer, gen_req, stream, deadline, ticket, timing, tags)
+            # The body releases the gate when it ends; should the server drop the response
+            # without iterating it (the client left first), collection releases it instead.
+            weakref.finalize(body, ticket.release)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            if first is not None:
+                headers["x-kvtide-replica"] = first.replica_id
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        return await self._complete(endpoint, rid, prompt, stream, deadline, timing, tags)
+
+    def _on_first_token(self, timing: _Timing, first: GenerateDelta) -> None:
+        timing.first_token_s = time.perf_counter()
+        to_first_delta_s = timing.first_token_s - timing.engine_called_s
+        engine_s = min(first.engine_ttft_s, to_first_delta_s) if first.engine_ttft_s is not None else 0.0
+        self.metrics.on_ttft_phases(self.model_name, frontend_s=timing.engine_called_s - timing.arrived_s,
+                                    engine_s=engine_s, transport_s=to_first_delta_s - engine_s)
+
+    async def _complete(self, endpoint: str, rid: str, prompt: Prompt, stream: EngineStream, deadline: Deadline,
+                        timing: _Timing, tags: dict[str, str]) -> JSONResponse:
+        """A non-streamed response: collect every delta, then answer once."""
+        first = stream.first
+        text, last = ([first.text], first) if first is not None else ([], None)
+        try:
+            while last is not None and last.finish_reason is None:
+                delta = await stream.next(deadline)
+                if timing.first_token_s is None and delta.num_output_tokens:
+                    self._on_first_token(timing, delta)
+                text.append(delta.text)
+                last = delta
+        except StopAsyncIteration:
+            pass
+        except (asyncio.TimeoutError, TimeoutError):
+            stream.cancel()
+            self.metrics.on_rejected(self.model_name, "timeout")
+            self.metrics.on_request_done(self.model_name, endpoint, 504)
+            return error_response(timeout_error(self.limits, "finish"))
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+        except Exception as exc:
+            stream.cancel()
+            logger.warning("request %s failed in the engine: %s", rid, type(exc).__name__)
+            self.metrics.on_request_done(self.model_name, endpoint, 503)
+            return error_response(ApiError(503, "the engine failed while generating; retry the request",
+                                           code="engine_unavailable",
+                                           headers={"Retry-After": str(self.limits.retry_after_s)}))
+        usage = Usage(len(prompt.token_ids), last.num_output_tokens if last else 0,
+                      last.num_cached_tokens if last else 0)
+        self._observe(tags, timing, usage, status=200)
+        created = now_s()
+        full = "".join(text)
+        finish = last.finish_reason if last else None
+        headers = {"x-kvtide-replica": last.replica_id} if last else None
+        render = chat_response if endpoint == "chat" else completion_response
+        return JSONResponse(render(rid, self.model_name, created, full, finish, usage), headers=headers)
+
+    async def _stream(self, renderer: ChunkRenderer, gen_req: GenerateRequest, stream: EngineStream,
+                      deadline: Deadline, ticket: _Ticket, timing: _Timing,
+                      tags: dict[str, str]) -> AsyncIterator[bytes]:
+        endpoint = renderer.endpoint
+        last = stream.first
+        prev_s, prev_tokens = timing.first_token_s, (last.num_output_tokens if last is not None else 0)
+        try:
+            if (data := renderer.opening()) is not None:
+                yield data
+            if last is not None and (data := renderer.delta(last)) is not None:
+                yield data
+            while last is not None and last.finish_reason is None:
+                try:
+                    delta = await stream.next(deadline)
+                except StopAsyncIteration:
+                    break
+                now = time.perf_counter()
+                if delta.num_output_tokens > prev_tokens:
+                    if timing.first_token_s is None:
+                        self._on_first_token(timing, delta)
+                    elif prev_s is not None:
+                        # Spread the gap over the tokens it delivered: ITL per token.
+                        per_token_s = (now - prev_s) / (delta.num_output_tokens - prev_tokens)
+                        self.metrics.itl_s.observe(per_token_s, tags)
+                    prev_s, prev_tokens = now, delta.num_output_tokens
+                last = delta
+                if (data := renderer.delta(delta)) is not None:
+                    yield data
+        except asyncio.CancelledError:
+            # Client went away: cancelling the engine call aborts the request (KV freed).
+            stream.cancel()
+            ticket.release()
+            self.metrics.on_request_done(self.model_name, endpoint, 499)
+            raise
+        except (asyncio.TimeoutError, TimeoutError):
+            stream.cancel()
+            ticket.release()
+            self.metrics.on_rejected(self.model_name, "timeout")
+            self.metrics.on_request_done(self.model_name, endpoint, 504)
+            yield error_event(timeout_error(self.limits, "finish").message, "timeout")
+            yield DONE
+            return
+        except Exception as exc:
+            stream.cancel()
+            ticket.release()
+            logger.warning("stream %s failed in the engine: %s", renderer.request_id, type(exc).__name__)
+            self.metrics.on_request_done(self.model_name, endpoint, 503)
+            yield error_event("the engine failed while generating; retry the request", "engine_unavailable")
+            yield DONE
+            return
+        finally:
+            ticket.release()
+        usage = Usage(len(gen_req.prompt_token_ids), last.num_output_tokens if last else 0,
+                      last.num_cached_tokens if last else 0)
+        yield renderer.closing(usage)
+        self._observe(tags, timing, usage, status=200)
+
+    def _observe(self, tags: dict[str, str], timing: _Timing, usage: Usage, status: int) -> None:
+        if timing.first_token_s is not None:
+            self.metrics.ttft_s.observe(timing.first_token_s - timing.arrived_s, tags)
+        self.metrics.e2e_s.observe(time.perf_counter() - timing.arrived_s, tags)
+        if usage.completion_tokens:  # Ray counters refuse increments of 0
+            self.metrics.output_tokens.inc(usage.completion_tokens, tags)
+        self.metrics.on_request_done(tags["model"], tags["endpoint"], status)
+

@@ -1,0 +1,89 @@
+"""The OpenAI-compatible HTTP app: routes, API-key check, OpenAI-shaped errors.
+
+    POST /v1/completions, /v1/chat/completions   (stream or not)   API key when keys are set
+    GET  /v1/models                                                  API key when keys are set
+    GET  /health  (liveness: the process answers)                    open, for probes
+    GET  /ready   (an engine can serve)                              open, for probes
+
+Every /v1 route hangs off one APIRouter whose dependency checks the key, so a route added
+later cannot skip it (a unit test enumerates the app's routes). Unknown paths (404) and
+wrong methods (405) answer in OpenAI's error shape too.
+
+Built per replica (`build_openai_app` is a Serve late-bound ASGI app: the replica's
+`__serve_build_asgi_app__` calls it after its constructor), by an ingress replica or by an
+engine replica serving HTTP directly; the same routes either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvtide.deployments.auth import ApiKeys, authorize
+from kvtide.deployments.frontend import OpenAIFrontend, error_response
+from kvtide.deployments.protocol import ApiError, error_body, validation_error_to_api
+
+
+class _Unauthorized(Exception):
+    def __init__(self, message: str):
+        self.message = message
+
+
+def build_openai_app(frontend: OpenAIFrontend, api_keys: ApiKeys,
+                     is_ready: Callable[[], Awaitable[bool]]) -> FastAPI:
+    """The app one replica serves; `is_ready` says whether an engine can take a request now."""
+    app = FastAPI(title="kvtide", description="OpenAI-compatible LLM serving on Ray Serve")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error_to_api(list(exc.errors())))
+
+    @app.exception_handler(_Unauthorized)
+    async def _unauthorized(request: Request, exc: _Unauthorized) -> JSONResponse:
+        endpoint = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}.get(request.url.path)
+        if endpoint is not None:
+            frontend.metrics.on_request_done(frontend.model_name, endpoint, 401)
+        return error_response(ApiError(401, exc.message, code="invalid_api_key"))
+
+    def require_api_key(request: Request) -> None:
+        decision = authorize(api_keys, request.headers.get("authorization"))
+        if not decision.ok:
+            raise _Unauthorized(decision.message)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Any:
+        return await frontend.handle(request, "completions")
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await frontend.handle(request, "chat")
+
+    @v1.get("/models")
+    async def models() -> Any:
+        return frontend.models()
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Any:
+        if not await is_ready():
+            return JSONResponse(error_body("no engine replica is serving yet", "server_error", code="not_ready"),
+                                status_code=503)
+        return {"status": "ready"}
+
+    return app

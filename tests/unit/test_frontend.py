@@ -1,0 +1,217 @@
+"""The OpenAI app and request pipeline with fake engines: auth on every /v1 route, retries, SSE shape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator
+
+import pytest
+from fastapi.testclient import TestClient
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
+
+from kvtide.config import parse_config
+from kvtide.deployments.admission import Deadline, admission_limits
+from kvtide.deployments.auth import ApiKeys
+from kvtide.deployments.engine_client import HandleEngineClient, LocalEngineClient
+from kvtide.deployments.frontend import OpenAIFrontend
+from kvtide.deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec
+from kvtide.deployments.openai_app import build_openai_app
+from kvtide.deployments.prompts import PromptBuilder
+from kvtide.deployments.protocol import ApiError
+
+CONFIG = parse_config({"model": "/m", "served_model_name": "m", "engine": {"max_model_len": 64}})
+
+
+class FakeTokenizer:
+    """One token per character: enough to check lengths, templates and limits."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [ord(c) % 256 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, conversation, tokenize: bool, add_generation_prompt: bool) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in conversation) + "<assistant>"
+
+
+class FakeMetrics:
+    """Counts what the frontend reports, in place of Ray metrics."""
+
+    def __init__(self) -> None:
+        self.done: list[int] = []
+        self.rejected: list[str] = []
+        self.phases: list[tuple[float, float, float]] = []
+        self.ttft_s = self.itl_s = self.e2e_s = self.prompt_tokens = self.output_tokens = self
+
+    def observe(self, *_: Any) -> None:
+        pass
+
+    def inc(self, *_: Any) -> None:
+        pass
+
+    def on_request_done(self, model: str, endpoint: str, status: int) -> None:
+        self.done.append(status)
+
+    def on_rejected(self, model: str, reason: str) -> None:
+        self.rejected.append(reason)
+
+    def on_ttft_phases(self, model: str, frontend_s: float, transport_s: float, engine_s: float) -> None:
+        self.phases.append((frontend_s, transport_s, engine_s))
+
+
+def _deltas(n: int) -> list[GenerateDelta]:
+    return [GenerateDelta(text=f"t{i}", num_output_tokens=i + 1, num_prompt_tokens=3,
+                          finish_reason="length" if i == n - 1 else None,
+                          engine_ttft_s=0.001 if i == 0 else None, replica_id="r1") for i in range(n)]
+
+
+def _local_engine(n: int = 3) -> LocalEngineClient:
+    async def generate(request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        for delta in _deltas(min(n, request.sampling.max_tokens)):
+            yield delta
+
+    return LocalEngineClient(generate, admission_limits(CONFIG))
+
+
+def _app(keys: list[str] | None = None, engine=None, metrics: FakeMetrics | None = None):
+    metrics = metrics or FakeMetrics()
+    frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()), engine or _local_engine(),
+                              metrics, None)
+
+    async def ready() -> bool:
+        return True
+
+    return TestClient(build_openai_app(frontend, ApiKeys(keys or []), ready)), metrics
+
+
+def test_every_v1_route_needs_the_api_key():
+    """Each /v1 route of the app (enumerated, not listed by hand) answers 401 without a key, and the set is pinned."""
+    client, _ = _app(keys=["sk-1"])
+    routes = [(r.path, m) for r in client.app.routes if r.path.startswith("/v1") for m in getattr(r, "methods", ())]
+    assert sorted(routes) == [("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/models", "GET")]
+    for path, method in routes:
+        body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+        resp = client.request(method, path, json=body)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", (path, resp.text)
+        ok = client.request(method, path, json=body, headers={"Authorization": "Bearer sk-1"})
+        assert ok.status_code == 200, (path, ok.text)
+    assert client.get("/health").status_code == 200 and client.get("/ready").status_code == 200
+
+
+def test_completion_json_carries_usage_and_the_ttft_breakdown_is_recorded():
+    """A non-streamed completion returns every delta's text, usage, the replica header and one TTFT split."""
+    client, metrics = _app()
+    resp = client.post("/v1/completions", json={"model": "m", "prompt": "abc", "max_tokens": 3})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["choices"][0]["text"] == "t0t1t2" and body["choices"][0]["finish_reason"] == "length"
+    assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (4, 3)
+    assert resp.headers["x-kvtide-replica"] == "r1"
+    assert metrics.done == [200] and len(metrics.phases) == 1
+    # The engine's share never exceeds what it reported, nor the time the frontend waited for it.
+    frontend_s, transport_s, engine_s = metrics.phases[0]
+    assert min(metrics.phases[0]) >= 0 and engine_s <= 0.001
+
+
+def test_chat_stream_is_role_content_finish_usage_done():
+    """A streamed chat: role chunk, content chunks, the finish on the last delta, a usage chunk, then [DONE]."""
+    client, _ = _app()
+    resp = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 2, "stream": True,
+                                                     "stream_options": {"include_usage": True}})
+    events = [line[len("data: "):] for line in resp.text.splitlines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[1:-1]] == ["t0", "t1"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(("body", "status", "code"), [
+    ({"model": "other", "prompt": "x"}, 404, "model_not_found"),
+    ({"model": "m", "prompt": "x" * 70}, 400, "context_length_exceeded"),
+    ({"model": "m", "prompt": "x", "max_tokens": "8"}, 400, None),
+])
+def test_client_mistakes_are_4xx_with_openai_bodies(body, status, code):
+    """Unknown model, prompt over the context and a mistyped field answer 4xx with an OpenAI error body."""
+    client, metrics = _app()
+    resp = client.post("/v1/completions", json=body)
+    assert resp.status_code == status and set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    assert code is None or resp.json()["error"]["code"] == code
+    assert metrics.done == [status]
+
+
+class FakeResponse:
+    """A streaming handle response: raises `error` at the first delta, or yields `deltas`."""
+
+    def __init__(self, deltas: list[GenerateDelta], error: BaseException | None):
+        self.deltas, self.error, self.cancelled = list(deltas), error, False
+
+    def __aiter__(self) -> "FakeResponse":
+        return self
+
+    async def __anext__(self) -> GenerateDelta:
+        if self.error is not None:
+            raise self.error
+        if not self.deltas:
+            raise StopAsyncIteration
+        return self.deltas.pop(0)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeHandle:
+    """A DeploymentHandle whose successive calls fail with `errors` in turn, then stream."""
+
+    def __init__(self, errors: list[BaseException]):
+        self.errors = list(errors)
+        self.calls: list[str] = []
+        self.responses: list[FakeResponse] = []
+
+    def options(self, **_: Any) -> "FakeHandle":
+        return self
+
+    @property
+    def generate(self) -> "FakeHandle":
+        return self
+
+    def remote(self, request: GenerateRequest) -> FakeResponse:
+        self.calls.append(request.request_id)
+        response = FakeResponse(_deltas(2), self.errors.pop(0) if self.errors else None)
+        self.responses.append(response)
+        return response
+
+
+def _open(handle: FakeHandle, max_retries: int = 2):
+    config = parse_config({"ingress": {"admission": {"max_retries": max_retries}}})
+    client = HandleEngineClient(handle, admission_limits(config))
+    request = GenerateRequest("req", [1, 2], SamplingSpec(max_tokens=2))
+    rejected: list[str] = []
+    return asyncio.run(client.open(request, Deadline(None, 0.0), rejected.append)), rejected
+
+
+def test_handle_client_retries_a_dead_replica_before_the_first_token():
+    """A replica dying before any token is retried under a new request id; the stream then starts normally."""
+    handle = FakeHandle([RayActorError()])
+    stream, _ = _open(handle)
+    assert handle.calls == ["req", "req-1"] and stream.first.text == "t0"
+    assert handle.responses[0].cancelled
+
+
+def test_handle_client_gives_503_after_max_retries_and_429_on_backpressure():
+    """Retries stop at max_retries (503 + Retry-After); a full handle queue is a 429, never retried."""
+    with pytest.raises(ApiError) as info:
+        _open(FakeHandle([RayActorError()] * 3), max_retries=1)
+    assert info.value.status == 503 and "Retry-After" in info.value.headers
+    handle = FakeHandle([BackPressureError(num_queued_requests=1, max_queued_requests=1)])
+    with pytest.raises(ApiError) as info:
+        _open(handle)
+    assert info.value.status == 429 and handle.calls == ["req"]
