@@ -1,6 +1,7 @@
 # kvtide: the two front-door commands.
 #   make serve   create .venv (first run), build the demo model, serve the OpenAI API on :8000
-#   make test    create .venv (first run), run the whole test suite
+#   make test    create .venv (first run), run the test suite (unit + integration)
+#   make soak    the soak-length runs (minutes of steady load on a real cluster)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ TORCH_INDEX ?=
 TORCH_INDEX_FLAG := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 PYTEST_ARGS ?=
 
-.PHONY: serve test unit install clean prometheus
+.PHONY: serve test soak unit install clean prometheus
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,7 +38,10 @@ prometheus:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null)
 
 test: $(STAMP) prometheus
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not soak" $(PYTEST_ARGS)
+
+soak: $(STAMP) prometheus
+	$(BIN)/python -m pytest -m soak tests/integration $(PYTEST_ARGS)
 
 unit: $(STAMP) prometheus
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

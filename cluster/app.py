@@ -19,7 +19,9 @@ from kvtide.deployments.placement import placement_bundles, replica_actor_option
 from kvtide.deployments.admission import admission_limits
 from kvtide.deployments.engine import EngineReplica
 from kvtide.deployments.ingress import Ingress
-from kvtide.deployments.names import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT
+from kvtide.deployments.names import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, ROUTER_DEPLOYMENT
+from kvtide.deployments.router_peer import RouterPeer
+from kvtide.deployments.server import EngineServer
 from kvtide.deployments.router import PrefixAwareRouter, RoundRobinRouter
 
 # How long a stopping engine replica may drain when requests have no deadline.
@@ -34,8 +36,10 @@ def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
         "ray_actor_options": replica_actor_options(config),
         "placement_group_bundles": placement_bundles(config),
         "placement_group_strategy": "STRICT_PACK",
-        # Each replica batches in vLLM; Serve's queue cap only bounds what is in flight.
-        "max_ongoing_requests": max(2 * config.engine.max_num_seqs, 8),
+        # Each replica batches in vLLM; Serve's queue cap only bounds what is in flight. In
+        # direct mode HTTP requests take these slots too: above the replica's admission gate.
+        "max_ongoing_requests": (limits.ingress_max_ongoing_requests if config.http.mode == "direct"
+                                 else max(2 * config.engine.max_num_seqs, 8)),
         # Past this many requests waiting for a replica at one ingress's handle (engines
         # missing: died, not scaled up yet), the handle raises BackPressureError → 429.
         "max_queued_requests": limits.max_queued_requests_per_handle,
@@ -93,6 +97,16 @@ def request_router_config(config: KvtideConfig) -> RequestRouterConfig | None:
                                request_routing_stats_period_s=routing.stats_period_s)
 
 
+def router_peer_options(config: KvtideConfig) -> dict[str, Any]:
+    """Direct mode's routing peer: Ray pins one replica per HAProxy node (num_replicas is ignored)."""
+    return {
+        "name": ROUTER_DEPLOYMENT,
+        # Light (tokenize + rank) and pinned beside HAProxy: it must not wait for a CPU bundle.
+        "ray_actor_options": {"num_cpus": 0},
+        "max_ongoing_requests": 4096,
+    }
+
+
 def build_from_config(config: KvtideConfig) -> Application:
     if config.model == DEMO_MODEL:
         # Build the local demo checkpoint once, here, and hand its path to every replica.
@@ -101,6 +115,11 @@ def build_from_config(config: KvtideConfig) -> Application:
         config = config.model_copy(update={"model": str(build_demo_model()),
                                            "served_model_name": config.model_name})
     config_dict = config_to_dict(config)
+    if config.http.mode == "direct":
+        # Engine replicas are the HTTP ingress; HAProxy asks the peer which one takes a POST.
+        engine = serve.deployment(EngineServer).options(**engine_deployment_options(config)).bind(config_dict)
+        peer = serve.deployment(RouterPeer).options(**router_peer_options(config)).bind(engine, config_dict)
+        return engine._with_ingress_request_router(peer)
     engine = serve.deployment(EngineReplica).options(**engine_deployment_options(config)).bind(config_dict)
     ingress = serve.deployment(Ingress).options(**ingress_deployment_options(config))
     return ingress.bind(engine, config_dict)

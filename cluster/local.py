@@ -31,6 +31,28 @@ class LocalCluster:
     model_name: str
 
 
+def apply_ray_process_env(config: KvtideConfig) -> None:
+    """Put the config's process-level Ray settings in this process's environment.
+
+    Ray Serve reads them at import, in every process: the driver (its app build checks the
+    HAProxy flag), and the controller, proxies and replicas that inherit this environment.
+    So this runs before this process imports ray.serve; the config wins over an inherited
+    value. The Helm chart sets the same variables on every Ray container.
+    """
+    import sys
+
+    env = config.ray_process_env()
+    if "ray.serve" in sys.modules:
+        from ray.serve._private import constants
+
+        if constants.RAY_SERVE_ENABLE_HA_PROXY != (env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"):
+            raise RuntimeError(
+                f"http.mode={config.http.mode} needs RAY_SERVE_ENABLE_HA_PROXY={env['RAY_SERVE_ENABLE_HA_PROXY']} "
+                "before ray.serve is imported, and this process imported it already; start a new process "
+                "(or export the variable before starting it)")
+    os.environ.update(env)
+
+
 def start(config: KvtideConfig, *, num_cpus: float | None = None,
           metrics_report_interval_ms: int | None = None) -> LocalCluster:
     """Start Ray + Serve and deploy the app; returns once every replica is serving.
@@ -38,15 +60,12 @@ def start(config: KvtideConfig, *, num_cpus: float | None = None,
     `metrics_report_interval_ms` shortens Ray's metric export period (default 10 s);
     tests use 1 s so what they assert on shows up in the scrape sooner.
     """
+    apply_ray_process_env(config)
     import ray
     from ray import serve
 
     from kvtide.cluster.app import build_from_config
 
-    # Read by every Serve process at import: they must be in the environment Ray starts
-    # with (workers inherit it). The Helm chart sets the same on every Ray container.
-    for name, value in config.ray_process_env().items():
-        os.environ.setdefault(name, value)
     replicas = config.replicas.max_replicas if config.replicas.autoscaling else config.replicas.num_replicas
     cpus = num_cpus or max(float(os.cpu_count() or 1), logical_cpus_needed(config, replicas or 1) + 1)
     ray.init(

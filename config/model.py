@@ -141,9 +141,10 @@ class AdmissionConfig(Strict):
     """
 
     max_ongoing_requests: int | None = Field(
-        None, ge=1, description="Requests one ingress replica admits at once (generating or queued in an engine); "
-                                "429 above. null: (engine replicas x engine.max_num_seqs + max_queued_requests) "
-                                "/ ingress replicas, rounded up.")
+        None, ge=1, description="Requests one frontend replica admits at once (generating or queued in an engine); "
+                                "429 above. null: in direct mode engine.max_num_seqs + max_queued_requests / engine "
+                                "replicas; in ingress mode (engine replicas x engine.max_num_seqs + "
+                                "max_queued_requests) / ingress replicas; rounded up.")
     max_queued_requests: int | None = Field(
         None, ge=0, description="Requests the fleet admits beyond its engines' batch slots, to wait in engine queues. "
                                 "null: one batch per engine replica (replicas x engine.max_num_seqs).")
@@ -169,9 +170,9 @@ class AuthConfig(Strict):
 
 
 class IngressConfig(Strict):
-    """The OpenAI-compatible ingress deployment."""
+    """The OpenAI frontend: request limits, admission and API keys (wherever it runs, see http.mode)."""
 
-    num_replicas: int = Field(1, ge=1, description="Ingress replicas (each tokenizes and routes).")
+    num_replicas: int = Field(1, ge=1, description="Ingress replicas (each tokenizes and routes); http.mode ingress only.")
     max_body_bytes: int = Field(4 << 20, ge=1024, description="Largest accepted request body (413 above).")
     max_messages: int = Field(1024, ge=1, description="Most chat messages in one request (400 above).")
     max_prompt_chars: int | None = Field(
@@ -182,7 +183,14 @@ class IngressConfig(Strict):
 
 
 class HttpConfig(Strict):
-    host: str = Field("127.0.0.1", description="Address the Serve HTTP proxy binds.")
+    """How requests reach the engines (the serving path)."""
+
+    mode: Literal["direct", "ingress"] = Field(
+        "direct", description="direct: every engine replica serves the OpenAI API itself behind Ray Serve's "
+                              "HAProxy, which asks kvtide's routing peer which replica takes each POST (no Ray hop "
+                              "on the token path). ingress: Serve's proxy -> Ingress replicas (tokenize, route) "
+                              "-> engine replicas over Ray handles (no HAProxy; ingress.num_replicas applies).")
+    host: str = Field("127.0.0.1", description="Address the OpenAI API binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI API.")
     throughput_optimized: bool = Field(
         True, description="Run Ray Serve in its throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1): "
@@ -234,10 +242,25 @@ class KvtideConfig(Strict):
         One source for `kvtide serve` (cluster.local) and the Helm chart (which renders
         the same names from the same values; a unit test compares the two).
         """
-        return {
+        env = {
             "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1" if self.http.throughput_optimized else "0",
             "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": f"{self.autoscaling.metrics_push_interval_s:g}",
+            "RAY_SERVE_ENABLE_HA_PROXY": "1" if self.http.mode == "direct" else "0",
         }
+        if self.http.mode == "direct":
+            env.update({
+                # The routing peer tokenizes the body to hash its blocks: HAProxy must forward it,
+                # and buffer as much as the frontend accepts.
+                "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+                "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(self.ingress.max_body_bytes),
+                # Retry before the first byte: a replica that refuses the connection (dead,
+                # draining) is retried on another, up to ingress.admission.max_retries times.
+                "RAY_SERVE_HAPROXY_RETRIES": str(self.ingress.admission.max_retries),
+                # A replica leaving HAProxy's backends is seen within a second (health check
+                # every 250 ms when changing); Ray's 30 s default made every stop wait 35 s.
+                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+            })
+        return env
 
     @property
     def model_name(self) -> str:

@@ -7,12 +7,13 @@ once with an answer the client can act on, and nothing waits without limit:
                                                                             vLLM batch (max_num_seqs)
               └──────────────────── [3 deadline: request_timeout_s] ──────► + vLLM waiting queue
 
-1. The gate (`AdmissionGate`, one per ingress replica): at most `limit` requests at once,
-   counted from admission to the last byte. Past it: 429 + `Retry-After`, no ingress-side
-   queue. The default limit is the fleet's capacity split over the ingress replicas (Serve's
-   proxy spreads requests evenly over them):
+1. The gate (`AdmissionGate`, one per frontend replica: an ingress replica, or in direct
+   mode an engine replica): at most `limit` requests at once, counted from admission to the
+   last byte. Past it: 429 + `Retry-After`, no queue in front of it. The default limit is
+   the fleet's capacity split over the frontend replicas:
 
-       limit = ceil((engine replicas × max_num_seqs + max_queued_requests) / ingress replicas)
+       ingress mode  limit = ceil((engine replicas × max_num_seqs + max_queued_requests) / ingress replicas)
+       direct mode   limit = max_num_seqs + ceil(max_queued_requests / engine replicas)
 
    i.e. every batch slot of every engine, plus a bounded queue (default: one more batch per
    engine replica) that waits inside the engines' own schedulers. With autoscaling the
@@ -77,7 +78,10 @@ def admission_limits(config: KvtideConfig) -> AdmissionLimits:
     batch_slots = engine_replicas_for_capacity(config) * config.engine.max_num_seqs
     queued = batch_slots if admission.max_queued_requests is None else admission.max_queued_requests
     ongoing = admission.max_ongoing_requests
-    if ongoing is None:
+    if ongoing is None and config.http.mode == "direct":
+        # Each engine replica admits its own batch plus its share of the fleet's queue.
+        ongoing = config.engine.max_num_seqs + math.ceil(queued / engine_replicas_for_capacity(config))
+    elif ongoing is None:
         ongoing = max(1, math.ceil((batch_slots + queued) / num_ingress))
     return AdmissionLimits(
         max_ongoing_requests=ongoing,

@@ -56,6 +56,10 @@ def _replica_rank() -> int:
 class EngineReplica:
     """Ray Serve deployment class hosting one vLLM engine (options set by kvtide.cluster.app)."""
 
+    # The deployment whose `hot_prefixes()` a new replica asks before it takes traffic:
+    # whoever sees every request's tokens (the ingress; the routing peer in direct mode).
+    HOT_PREFIX_SOURCE = INGRESS_DEPLOYMENT
+
     async def __init__(self, config_dict: dict):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -101,15 +105,15 @@ class EngineReplica:
         await self._warm_start()
 
     async def _warm_start(self) -> None:
-        """Prefill the fleet's hottest shared prefixes (from the ingress's view) before serving."""
+        """Prefill the fleet's hottest shared prefixes (from HOT_PREFIX_SOURCE's view) before serving."""
         warm = self.config.autoscaling.warm_start
         if not (warm.enabled and warm.token_budget > 0 and self.config.engine.enable_prefix_caching):
             return
         try:
             app_name = serve.get_replica_context().app_name
-            ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=app_name)
-            hot = await asyncio.wait_for(ingress.hot_prefixes.remote(), timeout=WARM_START_LOOKUP_TIMEOUT_S)
-        except Exception as exc:  # no ingress yet (first deploy) or it is busy: start cold
+            source = serve.get_deployment_handle(self.HOT_PREFIX_SOURCE, app_name=app_name)
+            hot = await asyncio.wait_for(source.hot_prefixes.remote(), timeout=WARM_START_LOOKUP_TIMEOUT_S)
+        except Exception as exc:  # no ingress/router yet (first deploy) or it is busy: start cold
             logger.info("warm start skipped: no hot-prefix list (%s)", type(exc).__name__)
             return
         block_size = self.config.engine.block_size
@@ -179,6 +183,8 @@ class EngineReplica:
         """Ray Serve pulls this every `request_routing_stats_period_s` for the routers."""
         load = self.load
         stats: dict[str, Any] = {
+            # Lets a pick-only router (direct mode) tell a fresh report from the last one.
+            "reported_s": time.time(),
             "num_running": load.num_running,
             "num_waiting": load.num_waiting,
             "kv_usage_perc": load.kv_usage_perc,

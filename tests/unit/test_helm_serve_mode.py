@@ -8,6 +8,11 @@ from test_helm_chart import rayservice  # tests/unit is on sys.path (rootdir-rel
 from kvtide.config import parse_config
 
 
+# Every name ray_process_env() can emit, in either mode: the chart must emit exactly the same subset.
+RAY_ENV_NAMES = set(parse_config({"http": {"mode": "direct"}}).ray_process_env()) | set(
+    parse_config({"http": {"mode": "ingress"}}).ray_process_env())
+
+
 def _ray_env_per_container(values: dict, names: list[str]) -> list[dict[str, str]]:
     cluster = rayservice(values)["spec"]["rayClusterConfig"]
     pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
@@ -20,9 +25,11 @@ def _ray_env_per_container(values: dict, names: list[str]) -> list[dict[str, str
     {"http": {"throughput_optimized": False}},
     {"autoscaling": {"metrics_push_interval_s": 0.5}},
     {"autoscaling": {"metrics_push_interval_s": 10}},
+    {"http": {"mode": "ingress"}},
+    {"ingress": {"max_body_bytes": 1 << 20, "admission": {"max_retries": 0}}},
 ])
 def test_every_ray_container_gets_the_config_ray_env(kvtide_values):
     """Head and workers carry exactly what `kvtide serve` sets locally (throughput mode, metrics push interval)."""
     expected = parse_config(kvtide_values).ray_process_env()
-    envs = _ray_env_per_container({"kvtide": kvtide_values} if kvtide_values else {}, list(expected))
+    envs = _ray_env_per_container({"kvtide": kvtide_values} if kvtide_values else {}, list(RAY_ENV_NAMES))
     assert envs and all(env == expected for env in envs)

@@ -37,9 +37,11 @@ def test_engine_kwargs_pass_kv_sizing_only_when_set():
 
 
 def test_logical_cpus_cover_engines_and_ingress():
-    """A local cluster reserves the engines' bundles plus one CPU per ingress replica."""
-    config = parse_config({"resources": {"device": "cpu"}, "ingress": {"num_replicas": 2}})
-    assert logical_cpus_needed(config, 3) == 3 * 2.0 + 2
+    """A local cluster reserves the engines' bundles, plus one CPU per ingress replica in ingress mode only."""
+    ingress = parse_config({"resources": {"device": "cpu"}, "ingress": {"num_replicas": 2}, "http": {"mode": "ingress"}})
+    assert logical_cpus_needed(ingress, 3) == 3 * 2.0 + 2
+    direct = parse_config({"resources": {"device": "cpu"}, "ingress": {"num_replicas": 2}})
+    assert logical_cpus_needed(direct, 3) == 3 * 2.0
 
 
 @pytest.mark.parametrize(("rank", "tp", "cores", "expected"), [

@@ -203,6 +203,20 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
   value: {{ ternary "1" "0" (dig "http" "throughput_optimized" true .Values.kvtide) | quote }}
 - name: RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S
   value: {{ dig "autoscaling" "metrics_push_interval_s" 2.0 .Values.kvtide | toString | quote }}
+{{- $direct := eq (dig "http" "mode" "direct" .Values.kvtide) "direct" }}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: {{ ternary "1" "0" $direct | quote }}
+{{- if $direct }}
+{{- /* Direct mode: engine replicas serve HTTP behind Serve's HAProxy; the routing peer needs the body. */}}
+- name: RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY
+  value: "1"
+- name: RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE
+  value: {{ dig "ingress" "max_body_bytes" 4194304 .Values.kvtide | int64 | toString | quote }}
+- name: RAY_SERVE_HAPROXY_RETRIES
+  value: {{ dig "ingress" "admission" "max_retries" 2 .Values.kvtide | int64 | toString | quote }}
+- name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
+  value: "2"
+{{- end }}
 {{- if .Values.hfToken.secretName }}
 - name: HF_TOKEN
   valueFrom:

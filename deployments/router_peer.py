@@ -1,0 +1,74 @@
+"""Direct mode's routing peer: HAProxy asks it which engine replica should take a POST.
+
+    HAProxy ─POST /internal/route (the request body)─► Router replica (one per HAProxy node)
+        tokenize the prompt (prompts.PromptBuilder: the same tokens the replica will compute)
+        → block hashes → engine handle.choose_replica(RoutingKey, _reserve=False)
+          (runs the engine deployment's request router: kvtide's prefix_aware, or a baseline)
+    ◄── {"replica_id": "SERVE_REPLICA::<app>#Engine#<id>"}; HAProxy forwards the original
+        request to that replica's own HTTP port
+
+Ray Serve 2.60 wires it with `Application._with_ingress_request_router` (an internal hook
+that Ray Serve LLM's direct streaming uses too) and HAProxy's Lua action; the body reaches
+this peer only with RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1 (KvtideConfig sets it).
+
+Never fails a request: a body that is not a valid request routes with no hashes (a
+load-only pick) and the replica answers the 400 itself. The peer also keeps the hot-prefix
+tracker a new engine replica asks before it takes traffic (it sees every POST of its node).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from kvtide.config import KvtideConfig, parse_config
+from kvtide.deployments.hot_prefixes import HotPrefixTracker
+from kvtide.deployments.ingress import load_tokenizer
+from kvtide.deployments.messages import RoutingKey
+from kvtide.deployments.prompts import PromptBuilder
+from kvtide.deployments.routing.block_hash import block_hashes
+
+logger = logging.getLogger("kvtide.router_peer")
+
+
+@serve.ingress()
+class RouterPeer:
+    """Picks an engine replica for HAProxy; holds the node's hot-prefix view."""
+
+    def __init__(self, engine: DeploymentHandle, config_dict: dict):
+        config: KvtideConfig = parse_config(config_dict)
+        self.engine = engine
+        self.block_size = config.engine.block_size
+        self.prompts = PromptBuilder(config, load_tokenizer(config))
+        self.send_prompt_text = config.routing.policy == "ray_prefix"
+        self.hot_prefixes_tracker = HotPrefixTracker(self.block_size)
+
+    def __serve_build_asgi_app__(self):
+        app = FastAPI(title="kvtide routing peer")
+
+        @app.post("/internal/route")
+        async def route(request: Request) -> dict[str, Any]:
+            return await self.route(await request.body())
+
+        return app
+
+    async def route(self, body: bytes) -> dict[str, Any]:
+        """The replica HAProxy should pin this request to."""
+        token_ids = self.prompts.routing_tokens(body)
+        hashes = tuple(block_hashes(token_ids, self.block_size))
+        if hashes:
+            self.hot_prefixes_tracker.observe(token_ids, hashes, time.monotonic())
+        key = RoutingKey(block_hashes=hashes,
+                         prompt=self.prompts.tokenizer.decode(token_ids) if self.send_prompt_text else None)
+        async with self.engine.choose_replica(key, _reserve=False) as selection:
+            replica_id = selection._replica.replica_id.to_full_id_str()
+        return {"replica_id": replica_id}
+
+    async def hot_prefixes(self, limit: int = 32) -> list[tuple[list[int], float]]:
+        """Handle method (not HTTP): shared prefixes a new engine replica should prefill."""
+        return self.hot_prefixes_tracker.hottest(time.monotonic(), limit=limit)
