@@ -47,17 +47,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = _config_from_args(args)
     stop_event = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop_event.set())
+    serving = False
+
+    def on_signal(signum: int, _frame) -> None:
+        stop_event.set()
+        if not serving:  # still starting: abandon the start; `finally` stops what it began
+            raise KeyboardInterrupt
+
+    def install_handlers() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    # Before start (a signal while starting stops right after) and again after it: ray.init
+    # replaces SIGTERM's handler with one that exits with a stack dump.
+    install_handlers()
     print(f"kvtide: starting {config.replicas.initial_replicas} engine replica(s) of {config.model} ...", flush=True)
     try:
         cluster = local.start(config)
+        serving = True
+        install_handlers()
         print(f"kvtide: ready. OpenAI API at {cluster.base_url}/v1 (model '{cluster.model_name}'), "
               f"metrics at {cluster.metrics_url}. Ctrl-C stops everything.", flush=True)
         stop_event.wait()
     finally:
-        print("kvtide: shutting down ...", flush=True)
+        print(f"kvtide: shutting down (requests in flight get up to {local.STOP_DRAIN_TIMEOUT_S:.0f} s) ...",
+              flush=True)
         local.stop()
+        print("kvtide: stopped.", flush=True)
     return 0
 
 
@@ -125,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvtide: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # interrupted while starting: what had started is stopped already
+        print("kvtide: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

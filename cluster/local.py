@@ -94,14 +94,45 @@ def start(config: KvtideConfig, *, num_cpus: float | None = None,
     )
 
 
-def stop() -> None:
-    """Shut Serve and Ray down; no replica, engine or Ray process outlives this."""
+# How long a stop lets in-flight requests finish (Serve drains its replicas) before Ray is
+# shut down under them. Idle replicas drain at once.
+STOP_DRAIN_TIMEOUT_S = 20.0
+# How long Ray's own processes get to exit after ray.shutdown() before they are killed.
+STOP_KILL_AFTER_S = 3.0
+
+
+def stop(drain_timeout_s: float = STOP_DRAIN_TIMEOUT_S) -> None:
+    """Shut Serve and Ray down; no replica, engine or Ray process outlives this.
+
+    Serve drains first (requests in flight finish), for at most `drain_timeout_s`; then Ray
+    shuts down, and whatever this process started that is still alive a few seconds later
+    (Ray's agents, vLLM engine cores and workers) is killed.
+    """
+    import threading
+
+    import psutil
     import ray
     from ray import serve
 
-    with contextlib.suppress(Exception):
-        serve.shutdown()
+    started = psutil.Process().children(recursive=True)
+    drain = threading.Thread(target=lambda: _suppressed(serve.shutdown), name="kvtide-serve-shutdown", daemon=True)
+    drain.start()
+    drain.join(drain_timeout_s)
+    if drain.is_alive():
+        logger.warning("Serve did not drain within %.0f s; stopping Ray under the requests in flight",
+                       drain_timeout_s)
     ray.shutdown()
+    leftovers = [p for p in started + psutil.Process().children(recursive=True) if p.is_running()]
+    _, alive = psutil.wait_procs(leftovers, timeout=STOP_KILL_AFTER_S)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=STOP_KILL_AFTER_S)
+
+
+def _suppressed(fn) -> None:
+    with contextlib.suppress(Exception):
+        fn()
 
 
 @contextlib.contextmanager

@@ -246,6 +246,11 @@ class KvtideConfig(Strict):
             "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1" if self.http.throughput_optimized else "0",
             "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": f"{self.autoscaling.metrics_push_interval_s:g}",
             "RAY_SERVE_ENABLE_HA_PROXY": "1" if self.http.mode == "direct" else "0",
+            # Replicas with a direct-ingress port (both modes: throughput-optimized turns it on)
+            # stay this long after they stop taking traffic, so load balancers see them leave;
+            # a health check every 250 ms sees it within a second. Ray's 30 s made every stop
+            # and scale-down wait 35 s.
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
         }
         if self.http.mode == "direct":
             env.update({
@@ -256,9 +261,6 @@ class KvtideConfig(Strict):
                 # Retry before the first byte: a replica that refuses the connection (dead,
                 # draining) is retried on another, up to ingress.admission.max_retries times.
                 "RAY_SERVE_HAPROXY_RETRIES": str(self.ingress.admission.max_retries),
-                # A replica leaving HAProxy's backends is seen within a second (health check
-                # every 250 ms when changing); Ray's 30 s default made every stop wait 35 s.
-                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
             })
         return env
 

@@ -33,6 +33,8 @@ from kvtide.deployments.names import INGRESS_DEPLOYMENT
 
 logger = logging.getLogger("kvtide.engine")
 
+# How often the replica re-records vLLM's gauges (Ray drops a series not set for ~20 s).
+GAUGE_REFRESH_S = 5.0
 # How long a new replica waits for the ingress's hot-prefix list before starting cold.
 WARM_START_LOOKUP_TIMEOUT_S = 5.0
 # Step payloads vLLM's KV-event publisher keeps for replays (kvtide asks for none).
@@ -63,9 +65,7 @@ class EngineReplica:
     async def __init__(self, config_dict: dict):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
-
-        from kvtide.deployments.engine_stats import EngineLoad, load_logger_factory
+        from kvtide.deployments.engine_stats import EngineLoad, kept_ray_stat_logger, load_logger_factory
 
         self.config: KvtideConfig = parse_config(config_dict)
         self.replica_id = _replica_id()
@@ -92,8 +92,10 @@ class EngineReplica:
                 buffer_steps=KV_EVENTS_REPLAY_STEPS)
         logger.info("starting vLLM engine: %s (bind=%s)", kwargs, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
         self.load = EngineLoad()
+        self.prometheus_loggers: list = []
         self.engine = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(**kwargs), stat_loggers=[RayPrometheusStatLogger, load_logger_factory(self.load)])
+            AsyncEngineArgs(**kwargs),
+            stat_loggers=[kept_ray_stat_logger(self.prometheus_loggers), load_logger_factory(self.load)])
         # vLLM's request_success counter does not count aborts; kvtide does.
         self.aborted_requests = metrics.Counter(
             "kvtide_engine_aborted_requests", "Requests aborted in the engine because the caller went away.",
@@ -103,6 +105,18 @@ class EngineReplica:
             tag_keys=("model",))
         # Serve marks the replica running only when this constructor returns: warm first.
         await self._warm_start()
+        # vLLM's gauges exist from now on, and stay while the engine idles.
+        self._gauge_refresh = asyncio.get_running_loop().create_task(self._refresh_gauges())
+
+    async def _refresh_gauges(self) -> None:
+        from kvtide.deployments.engine_stats import refresh_gauges
+
+        while True:
+            try:
+                refresh_gauges(self.prometheus_loggers, self.load)
+            except Exception as exc:  # metrics must never take the replica down
+                logger.warning("refreshing vLLM's gauges failed: %s", type(exc).__name__)
+            await asyncio.sleep(GAUGE_REFRESH_S)
 
     async def _warm_start(self) -> None:
         """Prefill the fleet's hottest shared prefixes (from HOT_PREFIX_SOURCE's view) before serving."""
@@ -204,6 +218,9 @@ class EngineReplica:
         await self.engine.check_health()
 
     def __del__(self) -> None:
+        refresh = getattr(self, "_gauge_refresh", None)
+        if refresh is not None:
+            refresh.cancel()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

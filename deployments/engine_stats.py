@@ -67,6 +67,33 @@ class _LoadLogger(StatLoggerBase):
         pass
 
 
+def kept_ray_stat_logger(kept: list) -> type:
+    """vLLM's Ray Prometheus stat logger, each instance appended to `kept`.
+
+    Why: vLLM sets its gauges (KV usage, running, waiting) only when its output loop records
+    stats, i.e. while requests run; an idle engine's series go missing from the scrape
+    ("No data" on an idle fleet). Holding the loggers lets the replica re-record its last
+    scheduler view (`refresh_gauges`) from the moment it is ready and while it is idle.
+    """
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    class KeptRayPrometheusStatLogger(RayPrometheusStatLogger):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            kept.append(self)
+
+    return KeptRayPrometheusStatLogger
+
+
+def refresh_gauges(loggers: list, load: EngineLoad) -> None:
+    """Record `load` (the engine's latest scheduler view) on vLLM's Prometheus loggers."""
+    stats = SchedulerStats(num_running_reqs=load.num_running, num_waiting_reqs=load.num_waiting,
+                           kv_cache_usage=load.kv_usage_perc)
+    for stat_logger in loggers:
+        for engine_idx in getattr(stat_logger, "engine_indexes", [0]):
+            stat_logger.record(stats, None, engine_idx=engine_idx)
+
+
 def load_logger_factory(load: EngineLoad) -> Callable[..., StatLoggerBase]:
     """A per-engine stat-logger factory writing into `load` (vLLM calls it with (config, index))."""
     check_stat_fields()

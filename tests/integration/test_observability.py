@@ -44,7 +44,7 @@ import pytest
 
 import ray
 from ray import serve
-from support import deploy_app, engine_actor_names, metric_sum, running_engines, wait_for
+from support import deploy_app, engine_actor_names, metric_sum, metric_values, running_engines, wait_for
 
 from kvtide.dashboards import alerts, build
 from kvtide.dashboards.catalog import CATALOG, series_names
@@ -138,8 +138,17 @@ def pressure_app(cluster, cluster_config):
         serve.delete(PRESSURE_APP)
 
 
+ENGINE_GAUGES = ("ray_vllm_kv_cache_usage_perc", "ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting")
+
+
+def _pressure_gauges_exported(metrics_url: str) -> bool:
+    return all(metric_values(metrics_url, name, model_name=PRESSURE_APP) for name in ENGINE_GAUGES)
+
+
 def _drive_pressure(url: str, metrics_url: str) -> None:
     """A warm-started replacement replica, then preemptions and 429s on it (the pressure app)."""
+    # vLLM's gauges exist as soon as a replica is ready, before any request.
+    wait_for(lambda: _pressure_gauges_exported(metrics_url), 30, 1.0, "the idle pressure engine's gauges")
     hot = " ".join(["shared system prompt"] * 60)  # 185 tokens: 5 full blocks shared by every request
     with httpx.Client(base_url=url, timeout=300) as http:
         for i in range(4):
@@ -271,6 +280,9 @@ def test_dashboards_and_alerts_return_data_from_a_real_prometheus(cluster, prome
     for _ in range(4):
         _drive_traffic(cluster)
     _render_previews(prometheus, started_s, time.time())
+    # The pressure app has been idle since its burst, longer than Ray keeps a series no one
+    # sets (~20 s): its engine's gauges are still exported.
+    assert _pressure_gauges_exported(cluster.metrics_url), "an idle engine's gauges went missing"
     assert not failures, "\n".join(failures)
 
 

@@ -214,9 +214,9 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
   value: {{ dig "ingress" "max_body_bytes" 4194304 .Values.kvtide | int64 | toString | quote }}
 - name: RAY_SERVE_HAPROXY_RETRIES
   value: {{ dig "ingress" "admission" "max_retries" 2 .Values.kvtide | int64 | toString | quote }}
+{{- end }}
 - name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
   value: "2"
-{{- end }}
 {{- if .Values.hfToken.secretName }}
 - name: HF_TOKEN
   valueFrom:
