@@ -11,32 +11,17 @@ wires the same parts inside the engine replica instead.
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
 import time
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from kvtide.config import KvtideConfig, parse_config
-from kvtide.deployments.admission import admission_limits
-from kvtide.deployments.auth import load_api_keys
 from kvtide.deployments.engine_client import HandleEngineClient
-from kvtide.deployments.frontend import OpenAIFrontend
 from kvtide.deployments.hot_prefixes import HotPrefixTracker
-from kvtide.deployments.ingress_metrics import IngressMetrics
-from kvtide.deployments.openai_app import build_openai_app
-from kvtide.deployments.prompts import PromptBuilder
-
-logger = logging.getLogger("kvtide.ingress")
+from kvtide.deployments.openai_app import build_frontend, build_openai_app
 
 READY_TIMEOUT_S = 5.0
-
-
-def load_tokenizer(config: KvtideConfig):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(config.model)
 
 
 @serve.ingress()
@@ -47,15 +32,8 @@ class Ingress:
         config: KvtideConfig = parse_config(config_dict)
         self.engine = engine
         self.hot_prefixes_tracker = HotPrefixTracker(config.engine.block_size)
-        limits = admission_limits(config)
-        self.frontend = OpenAIFrontend(config, PromptBuilder(config, load_tokenizer(config)),
-                                       HandleEngineClient(engine, limits), IngressMetrics(),
-                                       self.hot_prefixes_tracker)
-        auth = config.ingress.auth
-        self.api_keys = load_api_keys(auth.api_keys_env, auth.api_keys_file, auth.require_keys, os.environ)
-        logger.info("ingress: admits %d requests at once, deadline %s s, %s", limits.max_ongoing_requests,
-                    limits.request_timeout_s,
-                    f"API keys on ({len(self.api_keys)})" if self.api_keys.enabled else "API keys off")
+        self.frontend, self.api_keys = build_frontend(
+            config, lambda limits: HandleEngineClient(engine, limits), self.hot_prefixes_tracker, "ingress")
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.frontend, self.api_keys, self._engine_ready)

@@ -16,6 +16,8 @@ engine replica serving HTTP directly; the same routes either way.
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -23,9 +25,30 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvtide.deployments.auth import ApiKeys, authorize
+from kvtide.config import KvtideConfig
+from kvtide.deployments.admission import AdmissionLimits, admission_limits
+from kvtide.deployments.auth import ApiKeys, authorize, load_api_keys
+from kvtide.deployments.engine_client import EngineClient
 from kvtide.deployments.frontend import OpenAIFrontend, error_response
+from kvtide.deployments.hot_prefixes import HotPrefixTracker
+from kvtide.deployments.ingress_metrics import IngressMetrics
+from kvtide.deployments.prompts import PromptBuilder, load_tokenizer
 from kvtide.deployments.protocol import ApiError, error_body, validation_error_to_api
+
+logger = logging.getLogger("kvtide.openai_app")
+
+
+def build_frontend(config: KvtideConfig, engine_client: Callable[[AdmissionLimits], EngineClient],
+                   hot_prefixes: HotPrefixTracker | None, role: str) -> tuple[OpenAIFrontend, ApiKeys]:
+    """The frontend and API keys of one replica (`role` names it in the log: ingress, engine server)."""
+    limits = admission_limits(config)
+    frontend = OpenAIFrontend(config, PromptBuilder(config, load_tokenizer(config)), engine_client(limits),
+                              IngressMetrics(), hot_prefixes)
+    auth = config.ingress.auth
+    api_keys = load_api_keys(auth.api_keys_env, auth.api_keys_file, auth.require_keys, os.environ)
+    logger.info("%s: admits %d requests at once, deadline %s s, %s", role, limits.max_ongoing_requests,
+                limits.request_timeout_s, f"API keys on ({len(api_keys)})" if api_keys.enabled else "API keys off")
+    return frontend, api_keys
 
 
 class _Unauthorized(Exception):

@@ -57,6 +57,13 @@ def parse_json_body(body: bytes) -> Any:
     return data
 
 
+def load_tokenizer(config: KvtideConfig) -> Any:
+    """The served model's tokenizer (the same files vLLM loads, so the token ids agree)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.model)
+
+
 class PromptBuilder:
     """Validates and tokenizes requests for one served model (the tokenizer is injected)."""
 

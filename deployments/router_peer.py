@@ -28,9 +28,8 @@ from ray.serve.handle import DeploymentHandle
 
 from kvtide.config import KvtideConfig, parse_config
 from kvtide.deployments.hot_prefixes import HotPrefixTracker
-from kvtide.deployments.ingress import load_tokenizer
 from kvtide.deployments.messages import RoutingKey
-from kvtide.deployments.prompts import PromptBuilder
+from kvtide.deployments.prompts import PromptBuilder, load_tokenizer
 from kvtide.deployments.routing.block_hash import block_hashes
 
 logger = logging.getLogger("kvtide.router_peer")

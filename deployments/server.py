@@ -15,23 +15,12 @@ on another (`RAY_SERVE_HAPROXY_RETRY_ON`, `option redispatch`). GETs (/v1/models
 
 from __future__ import annotations
 
-import logging
-import os
-
 from ray import serve
 
-from kvtide.deployments.admission import admission_limits
-from kvtide.deployments.auth import load_api_keys
 from kvtide.deployments.engine import EngineReplica
 from kvtide.deployments.engine_client import LocalEngineClient
-from kvtide.deployments.frontend import OpenAIFrontend
-from kvtide.deployments.ingress import load_tokenizer
-from kvtide.deployments.ingress_metrics import IngressMetrics
 from kvtide.deployments.names import ROUTER_DEPLOYMENT
-from kvtide.deployments.openai_app import build_openai_app
-from kvtide.deployments.prompts import PromptBuilder
-
-logger = logging.getLogger("kvtide.server")
+from kvtide.deployments.openai_app import build_frontend, build_openai_app
 
 
 @serve.ingress()
@@ -42,15 +31,8 @@ class EngineServer(EngineReplica):
 
     async def __init__(self, config_dict: dict):
         await EngineReplica.__init__(self, config_dict)
-        config = self.config
-        limits = admission_limits(config)
-        self.frontend = OpenAIFrontend(config, PromptBuilder(config, load_tokenizer(config)),
-                                       LocalEngineClient(self.generate, limits), IngressMetrics(), None)
-        auth = config.ingress.auth
-        self.api_keys = load_api_keys(auth.api_keys_env, auth.api_keys_file, auth.require_keys, os.environ)
-        logger.info("engine server: admits %d requests at once, deadline %s s, %s", limits.max_ongoing_requests,
-                    limits.request_timeout_s,
-                    f"API keys on ({len(self.api_keys)})" if self.api_keys.enabled else "API keys off")
+        self.frontend, self.api_keys = build_frontend(
+            self.config, lambda limits: LocalEngineClient(self.generate, limits), None, "engine server")
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.frontend, self.api_keys, self.ready)

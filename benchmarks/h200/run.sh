@@ -1,34 +1,66 @@
 #!/bin/bash
-# GPU runs on the H200 device machine (see ../shared/gpu/README.md for the wheel recipe).
-#   bash benchmarks/h200/run.sh smoke      TP=2 engine replica over 2 GPUs serves a request
-#   bash benchmarks/h200/run.sh overhead   kvtide vs bare vLLM vs Ray Serve LLM, one GPU
+# GPU runs on the H200 device machine (wheels per ../shared/gpu/README.md; kvtide's own
+# wheel carried in .gpu/kvtide). Each stage writes under $OUT as it goes.
+#   bash benchmarks/h200/run.sh placement      N TP=1 replicas on N GPUs; 4 replicas on 2 GPUs (x2 kind)
+#   bash benchmarks/h200/run.sh overhead-demo  kvtide direct / ingress vs bare vLLM, demo model, one GPU
+#   bash benchmarks/h200/run.sh overhead-8b    the same with a Llama-3.1-8B-shaped model built on the device
 set -uo pipefail
 export VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export KVTIDE_HOME=/tmp/kvtide-home
 bash .gpu/extra/install.sh >/dev/null || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+if [ ! -d /tmp/kvt/kvtide ]; then
+  mkdir -p /tmp/kvt && python3 -m zipfile -e .gpu/kvtide/kvtide-*.whl /tmp/kvt || exit 1
+fi
+# The repo root is NOT on the path: its kvtide/ folder holds only the namespace root.
+export PYTHONPATH=/tmp/kvt:/tmp/site
 OUT=${OUT:-/tmp/out}
-case "${1:-smoke}" in
-smoke)
-  python3 -c "from deployments.demo_model import build_demo_model; print(build_demo_model())" || exit 1
-  python3 -m cluster.cli serve --config cluster/configs/gpu-tp2.yaml --set model=demo \
-      --set served_model_name=kvtide-demo --set engine.max_model_len=4096 --set engine.enforce_eager=true \
-      --set replicas.min_replicas=null --set replicas.max_replicas=null --set replicas.num_replicas=1 \
-      --set engine.gpu_memory_utilization=0.3 --set ingress.num_replicas=1 --set http.host=127.0.0.1 \
-      > "$OUT/tp2-serve.log" 2>&1 &
-  pid=$!
-  for i in $(seq 1 150); do grep -q "kvtide: ready" "$OUT/tp2-serve.log" && break; kill -0 $pid || break; sleep 2; done
-  curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
-      -d '{"model": "kvtide-demo", "prompt": "def tensor_parallel():", "max_tokens": 8}' | tee "$OUT/tp2-response.json"
-  echo
-  nvidia-smi --query-compute-apps=pid,used_memory --format=csv | tee "$OUT/tp2-nvidia-smi.csv"
-  kill -INT $pid; wait $pid
-  grep -E "kvtide:|Error|error" "$OUT/tp2-serve.log" | grep -v "^$" | tail -20
+mkdir -p "$OUT"
+cd /tmp  # away from the checkout's kvtide/ folder
+REPO=$OLDPWD
+
+gpu_of_pids() {  # "pid gpu_index used_MiB" per compute process
+  nvidia-smi --query-gpu=index,uuid --format=csv,noheader | tr -d ' ' > /tmp/gpus.csv
+  nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader | tr -d ' ' |
+    while IFS=, read -r pid uuid mem; do echo "$pid $(grep "$uuid" /tmp/gpus.csv | cut -d, -f1) $mem"; done
+}
+
+serve_and_snapshot() {  # name, extra --set args...: serve, record which GPU each engine uses, stop
+  local name=$1; shift
+  python3 -m kvtide.cluster.cli serve --config "$REPO/cluster/configs/gpu-demo.yaml" --set engine.enforce_eager=true \
+      --set http.port=8300 --set metrics.port=8390 "$@" > "$OUT/$name-serve.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 200); do grep -q "kvtide: ready" "$OUT/$name-serve.log" && break; kill -0 $pid || break; sleep 2; done
+  curl -s http://127.0.0.1:8300/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model": "kvtide-demo", "prompt": "def placement():", "max_tokens": 8}' > "$OUT/$name-response.json"
+  { echo "# nvidia-smi while serving ($name): pid gpu_index used_memory"; gpu_of_pids; } | tee "$OUT/$name-nvidia-smi.txt"
+  nvidia-smi > "$OUT/$name-nvidia-smi-full.txt"
+  local t0=$(date +%s)
+  kill -TERM $pid; wait $pid; echo "exit $? after $(( $(date +%s) - t0 )) s" | tee "$OUT/$name-stop.txt"
+  sleep 2; { echo "# after stop"; gpu_of_pids; } | tee -a "$OUT/$name-stop.txt"
+}
+
+case "${1:-placement}" in
+placement)
+  serve_and_snapshot tp1-x2 --set replicas.num_replicas=2
+  serve_and_snapshot share-x4 --set replicas.num_replicas=4 --set resources.gpus_per_worker=0.5 \
+      --set engine.gpu_memory_utilization=null --set engine.kv_cache_memory_bytes=8589934592
   ;;
-overhead)
-  python3 -m benchmarks.overhead --config cluster/configs/gpu-demo.yaml --concurrency 1,16 \
-      --num-requests "${NUM_REQUESTS:-200}" --duration "${DURATION:-45}" --input-len 512 --output-len 64 \
-      --no-progress --out "$OUT/overhead-h200.md" > "$OUT/overhead.log" 2>&1
-  tail -25 "$OUT/overhead-h200.md"
+overhead-demo)
+  python3 -m kvtide.benchmarks.overhead --config "$REPO/cluster/configs/gpu-demo.yaml" \
+      --servers kvtide,kvtide-ingress,vllm --concurrency 1,16,64 --num-requests "${NUM_REQUESTS:-200}" \
+      --duration "${DURATION:-60}" --input-len 512 --output-len 128 --hardware "NVIDIA H200 (one GPU), demo model" \
+      --no-progress --out-dir "$OUT/overhead-demo" > "$OUT/overhead-demo.log" 2>&1
+  tail -15 "$OUT/overhead-demo/report.md"
+  ;;
+overhead-8b)
+  python3 "$REPO/benchmarks/h200/build_model.py" /tmp/models/llama-8b-shape > "$OUT/build-8b.log" 2>&1 || exit 1
+  python3 -m kvtide.benchmarks.overhead --config "$REPO/cluster/configs/gpu-demo.yaml" \
+      --set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape \
+      --set engine.gpu_memory_utilization=0.85 --set engine.max_num_seqs=128 \
+      --servers "${SERVERS:-kvtide,vllm}" --concurrency 1,16,64 --num-requests "${NUM_REQUESTS:-200}" \
+      --duration "${DURATION:-60}" --input-len 512 --output-len 128 \
+      --hardware "NVIDIA H200 (one GPU), Llama-3.1-8B shape, random weights" \
+      --no-progress --out-dir "$OUT/overhead-8b" > "$OUT/overhead-8b.log" 2>&1
+  tail -15 "$OUT/overhead-8b/report.md"
   ;;
 esac

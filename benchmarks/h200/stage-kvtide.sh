@@ -1,0 +1,11 @@
+#!/bin/bash
+# Build kvtide's wheel into .gpu/kvtide (git-ignored) for the device machine, which has no
+# editable install: run.sh unpacks it onto PYTHONPATH.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+rm -rf .gpu/kvtide && mkdir -p .gpu/kvtide
+src=$(mktemp -d)
+git ls-files -z | xargs -0 -I{} cp --parents {} "$src"
+python3 -m pip wheel --quiet --no-deps --wheel-dir .gpu/kvtide "$src"
+rm -rf "$src"
+ls .gpu/kvtide
