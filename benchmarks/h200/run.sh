@@ -1,6 +1,8 @@
 #!/bin/bash
 # GPU runs on the H200 device machine (wheels per ../shared/gpu/README.md; kvtide's own
-# wheel carried in .gpu/kvtide). Each stage writes under $OUT as it goes.
+# wheel, built by stage-kvtide.sh, carried in .gpu/kvtide). Each stage works in /tmp/work
+# and leaves at most a few files in $OUT (the device returns 8 at most): its report, its
+# JSON and one tarball of logs.
 #   bash benchmarks/h200/run.sh placement      N TP=1 replicas on N GPUs; 4 replicas on 2 GPUs (x2 kind)
 #   bash benchmarks/h200/run.sh overhead-demo  kvtide direct / ingress vs bare vLLM, demo model, one GPU
 #   bash benchmarks/h200/run.sh overhead-8b    the same with a Llama-3.1-8B-shaped model built on the device
@@ -14,7 +16,8 @@ fi
 # The repo root is NOT on the path: its kvtide/ folder holds only the namespace root.
 export PYTHONPATH=/tmp/kvt:/tmp/site
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+W=/tmp/work
+mkdir -p "$OUT" "$W"
 cd /tmp  # away from the checkout's kvtide/ folder
 REPO=$OLDPWD
 
@@ -27,16 +30,16 @@ gpu_of_pids() {  # "pid gpu_index used_MiB" per compute process
 serve_and_snapshot() {  # name, extra --set args...: serve, record which GPU each engine uses, stop
   local name=$1; shift
   python3 -m kvtide.cluster.cli serve --config "$REPO/cluster/configs/gpu-demo.yaml" --set engine.enforce_eager=true \
-      --set http.port=8300 --set metrics.port=8390 "$@" > "$OUT/$name-serve.log" 2>&1 &
+      --set http.port=8300 --set metrics.port=8390 "$@" > "$W/$name-serve.log" 2>&1 &
   local pid=$!
-  for _ in $(seq 1 200); do grep -q "kvtide: ready" "$OUT/$name-serve.log" && break; kill -0 $pid || break; sleep 2; done
+  for _ in $(seq 1 200); do grep -q "kvtide: ready" "$W/$name-serve.log" && break; kill -0 $pid || break; sleep 2; done
   curl -s http://127.0.0.1:8300/v1/completions -H 'Content-Type: application/json' \
-      -d '{"model": "kvtide-demo", "prompt": "def placement():", "max_tokens": 8}' > "$OUT/$name-response.json"
-  { echo "# nvidia-smi while serving ($name): pid gpu_index used_memory"; gpu_of_pids; } | tee "$OUT/$name-nvidia-smi.txt"
-  nvidia-smi > "$OUT/$name-nvidia-smi-full.txt"
+      -d '{"model": "kvtide-demo", "prompt": "def placement():", "max_tokens": 8}' > "$W/$name-response.json"
+  { echo "## $name: nvidia-smi while serving (pid gpu_index used_memory)"; gpu_of_pids; echo; nvidia-smi;
+    echo "response: $(cat "$W/$name-response.json")"; } >> "$OUT/placement.txt"
   local t0=$(date +%s)
-  kill -TERM $pid; wait $pid; echo "exit $? after $(( $(date +%s) - t0 )) s" | tee "$OUT/$name-stop.txt"
-  sleep 2; { echo "# after stop"; gpu_of_pids; } | tee -a "$OUT/$name-stop.txt"
+  kill -TERM $pid; wait $pid; echo "## $name: SIGTERM -> exit $? after $(( $(date +%s) - t0 )) s" >> "$OUT/placement.txt"
+  sleep 2; { echo "## $name: compute processes after the stop"; gpu_of_pids; echo; } >> "$OUT/placement.txt"
 }
 
 case "${1:-placement}" in
@@ -44,23 +47,28 @@ placement)
   serve_and_snapshot tp1-x2 --set replicas.num_replicas=2
   serve_and_snapshot share-x4 --set replicas.num_replicas=4 --set resources.gpus_per_worker=0.5 \
       --set engine.gpu_memory_utilization=null --set engine.kv_cache_memory_bytes=8589934592
+  tar czf "$OUT/placement-logs.tar.gz" -C "$W" .
   ;;
 overhead-demo)
   python3 -m kvtide.benchmarks.overhead --config "$REPO/cluster/configs/gpu-demo.yaml" \
       --servers kvtide,kvtide-ingress,vllm --concurrency 1,16,64 --num-requests "${NUM_REQUESTS:-200}" \
       --duration "${DURATION:-60}" --input-len 512 --output-len 128 --hardware "NVIDIA H200 (one GPU), demo model" \
-      --no-progress --out-dir "$OUT/overhead-demo" > "$OUT/overhead-demo.log" 2>&1
-  tail -15 "$OUT/overhead-demo/report.md"
+      --no-progress --out-dir "$W/overhead-demo" > "$W/overhead-demo.log" 2>&1
+  cp "$W/overhead-demo/report.md" "$OUT/overhead-demo.md"; cp "$W/overhead-demo/results.json" "$OUT/overhead-demo.json"
+  tar czf "$OUT/overhead-demo-logs.tar.gz" -C "$W" overhead-demo overhead-demo.log
+  tail -15 "$OUT/overhead-demo.md"
   ;;
 overhead-8b)
-  python3 "$REPO/benchmarks/h200/build_model.py" /tmp/models/llama-8b-shape > "$OUT/build-8b.log" 2>&1 || exit 1
+  python3 "$REPO/benchmarks/h200/build_model.py" /tmp/models/llama-8b-shape > "$W/build-8b.log" 2>&1 || { tail "$W/build-8b.log"; exit 1; }
   python3 -m kvtide.benchmarks.overhead --config "$REPO/cluster/configs/gpu-demo.yaml" \
       --set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape \
       --set engine.gpu_memory_utilization=0.85 --set engine.max_num_seqs=128 \
       --servers "${SERVERS:-kvtide,vllm}" --concurrency 1,16,64 --num-requests "${NUM_REQUESTS:-200}" \
       --duration "${DURATION:-60}" --input-len 512 --output-len 128 \
       --hardware "NVIDIA H200 (one GPU), Llama-3.1-8B shape, random weights" \
-      --no-progress --out-dir "$OUT/overhead-8b" > "$OUT/overhead-8b.log" 2>&1
-  tail -15 "$OUT/overhead-8b/report.md"
+      --no-progress --out-dir "$W/overhead-8b" > "$W/overhead-8b.log" 2>&1
+  cp "$W/overhead-8b/report.md" "$OUT/overhead-8b.md"; cp "$W/overhead-8b/results.json" "$OUT/overhead-8b.json"
+  tar czf "$OUT/overhead-8b-logs.tar.gz" -C "$W" overhead-8b overhead-8b.log build-8b.log
+  tail -15 "$OUT/overhead-8b.md"
   ;;
 esac
