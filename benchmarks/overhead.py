@@ -47,7 +47,7 @@ from kvtide.benchmarks.loadgen import run_load
 from kvtide.benchmarks.report import summarize
 from kvtide.benchmarks.workloads import build_workload, make_params
 
-SERVERS = ("kvtide", "vllm", "ray-serve-llm")
+SERVERS = ("kvtide", "kvtide-ingress", "vllm", "ray-serve-llm")
 READY_TIMEOUT_S = 300.0
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from kvtide.autoscaling.ray_policy import autoscaling_config
 from kvtide.config import DEMO_MODEL, KvtideConfig, config_to_dict, parse_config
@@ -40,9 +40,13 @@ def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
         # direct mode HTTP requests take these slots too: above the replica's admission gate.
         "max_ongoing_requests": (limits.ingress_max_ongoing_requests if config.http.mode == "direct"
                                  else max(2 * config.engine.max_num_seqs, 8)),
-        # Past this many requests waiting for a replica at one ingress's handle (engines
-        # missing: died, not scaled up yet), the handle raises BackPressureError → 429.
-        "max_queued_requests": limits.max_queued_requests_per_handle,
+        # Ingress mode: past this many requests waiting for a replica at one ingress's handle
+        # (engines missing: died, not scaled up yet), the handle raises BackPressureError → 429.
+        # Direct mode: HTTP requests past Serve's slot cap wait here, and past it Serve answers
+        # 429 itself (backpressure_config) instead of its default 503, like the gate does.
+        "max_queued_requests": (limits.max_ongoing_requests if config.http.mode == "direct"
+                                else limits.max_queued_requests_per_handle),
+        "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=limits.retry_after_s),
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
         # Scale-down and upgrades drain: a stopping replica takes no new requests and gets

@@ -71,4 +71,46 @@ overhead-8b)
   tar czf "$OUT/overhead-8b-logs.tar.gz" -C "$W" overhead-8b overhead-8b.log build-8b.log
   tail -15 "$OUT/overhead-8b.md"
   ;;
+profile)  # where the direct path spends CPU at 64 streams: py-spy on the engine replica and HAProxy's view
+  python3 -m kvtide.cluster.cli serve --config "$REPO/cluster/configs/gpu-demo.yaml" --replicas 1 \
+      --set http.port=8300 --set metrics.port=8390 > "$W/profile-serve.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 200); do grep -q "kvtide: ready" "$W/profile-serve.log" && break; kill -0 $pid || break; sleep 2; done
+  python3 - > "$W/profile-load.log" 2>&1 <<'PY' &
+import asyncio
+from kvtide.benchmarks.loadgen import run_load
+from kvtide.benchmarks.workloads import build_workload, make_params
+w = build_workload("random", make_params("random", num_requests=2000, input_len=512, output_len=128), seed=64)
+r = asyncio.run(run_load("http://127.0.0.1:8300", w.requests, concurrency=64, duration_s=40, model="kvtide-demo",
+                         endpoint="completions", progress=False))
+print(len(r.results), sum(x.num_output_tokens for x in r.results) / r.duration_s, "tok/s")
+PY
+  load=$!
+  sleep 12
+  eng=$(pgrep -f "ServeReplica:kvtide:Engine" | head -1)
+  top -b -n 1 -w 200 | head -30 > "$OUT/profile-top.txt"
+  /tmp/site/bin/py-spy record -d 15 -r 200 -p "$eng" --format speedscope -o "$W/engine.speedscope.json" > /dev/null 2>&1
+  /tmp/site/bin/py-spy dump -p "$eng" > "$W/engine-dump.txt" 2>&1
+  python3 - "$W/engine.speedscope.json" > "$OUT/profile-engine-top.txt" <<'PY'
+import json, sys, collections
+d = json.load(open(sys.argv[1]))
+frames = d["shared"]["frames"]
+self_c, total_c = collections.Counter(), collections.Counter()
+n = 0
+for prof in d["profiles"]:
+    for stack, w in zip(prof["samples"], prof["weights"]):
+        n += w
+        if stack:
+            self_c[stack[-1]] += w
+        for f in set(stack):
+            total_c[f] += w
+name = lambda i: f'{frames[i]["name"]} ({frames[i].get("file","").split("site-packages/")[-1]}:{frames[i].get("line","")})'
+print("samples", n)
+print("## self"); [print(f"{c/n:6.1%} {name(f)}") for f, c in self_c.most_common(40)]
+print("## total"); [print(f"{c/n:6.1%} {name(f)}") for f, c in total_c.most_common(60)]
+PY
+  wait $load; cat "$W/profile-load.log" >> "$OUT/profile-top.txt"
+  kill -TERM $pid; wait $pid
+  tar czf "$OUT/profile.tar.gz" -C "$W" engine.speedscope.json engine-dump.txt profile-serve.log profile-load.log
+  ;;
 esac
