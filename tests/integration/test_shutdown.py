@@ -18,7 +18,6 @@ import time
 
 import httpx
 import psutil
-import pytest
 from support import REPO
 
 READY_TIMEOUT_S = 300.0
@@ -57,26 +56,32 @@ def _wait_for_line(proc: subprocess.Popen, lines: "queue.Queue[str]", prefix: st
     raise AssertionError(f"no {prefix!r} line within {timeout_s:.0f} s:\n" + "".join(seen[-40:]))
 
 
-@pytest.mark.parametrize(("sig", "port"), [(signal.SIGINT, 18600), (signal.SIGTERM, 18700)], ids=["SIGINT", "SIGTERM"])
-def test_serve_stops_on_signal_with_exit_0_and_no_process_left(sig, port):
-    """A serving `kvtide serve` given SIGINT or SIGTERM exits 0 in bound and leaves none of its processes alive."""
-    proc, lines = _serve(port)
+def test_serve_stops_on_sigint_and_on_sigterm_with_exit_0_and_no_process_left():
+    """`kvtide serve` given SIGINT, and another given SIGTERM, each exit 0 in bound and leave none of their processes."""
+    # Both clusters start side by side: one wait for two starts.
+    servers = {sig: _serve(port) for sig, port in ((signal.SIGINT, 18600), (signal.SIGTERM, 18700))}
     try:
-        _wait_for_line(proc, lines, "kvtide: ready", READY_TIMEOUT_S)
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-        assert any("raylet" in " ".join(p.cmdline()) for p in descendants if p.is_running())
-        signalled_s = time.monotonic()
-        proc.send_signal(sig)
-        returncode = proc.wait(timeout=EXIT_BOUND_S + 30)
-        exit_s = time.monotonic() - signalled_s
-        output = "".join(iter(lambda: lines.get(timeout=5), "kvtide: stopped.\n")) if returncode == 0 else ""
-        print(f"\n{signal.Signals(sig).name}: exit {returncode} after {exit_s:.1f} s")
-        assert returncode == 0, output
-        assert exit_s < EXIT_BOUND_S
-        left = [f"{p.pid} {p.name()}" for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert left == []
+        descendants = {}
+        for sig, (proc, lines) in servers.items():
+            _wait_for_line(proc, lines, "kvtide: ready", READY_TIMEOUT_S)
+            port = 18600 if sig == signal.SIGINT else 18700
+            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+            descendants[sig] = psutil.Process(proc.pid).children(recursive=True)
+            assert any("raylet" in " ".join(p.cmdline()) for p in descendants[sig] if p.is_running())
+        for sig, (proc, lines) in servers.items():
+            signalled_s = time.monotonic()
+            proc.send_signal(sig)
+            returncode = proc.wait(timeout=EXIT_BOUND_S + 30)
+            exit_s = time.monotonic() - signalled_s
+            output = "".join(iter(lambda: lines.get(timeout=5), "kvtide: stopped.\n")) if returncode == 0 else ""
+            print(f"\n{signal.Signals(sig).name}: exit {returncode} after {exit_s:.1f} s")
+            assert returncode == 0, output
+            assert exit_s < EXIT_BOUND_S
+            left = [f"{p.pid} {p.name()}" for p in descendants[sig]
+                    if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            assert left == [], signal.Signals(sig).name
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        for proc, _ in servers.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
