@@ -60,7 +60,7 @@ class ReplicaSnapshot:
 class CacheDigest:
     """The block hashes one engine replica holds right now (its engine truth).
 
-    `blocks` is the hash set as little-endian uint64s, sorted, in one `bytes` object:
+    `blocks` is the hash set as little-endian uint64s (unordered) in one `bytes` object:
     8 bytes per block, one pickle opcode, no per-int overhead. Measured for 100k
     blocks: 800 KB and ~0.1 ms to pickle or unpickle, against 1.05 MB and ~10 ms each
     way for a frozenset of ints; `hashes()` decodes into a frozenset in ~5 ms on the
@@ -91,7 +91,9 @@ class CacheDigest:
     @classmethod
     def from_hashes(cls, replica_id: str, epoch: int, sequence: int, hashes: Iterable[BlockHash], *,
                     all_cleared: bool = False, timestamp_s: float = 0.0) -> "CacheDigest":
-        packed = array(_HASH_TYPECODE, sorted(set(hashes)))
+        # No sort: the router reads the blocks back as a set, and sorting a large cache's
+        # hashes every report period cost an engine replica ~5 % of its core under load.
+        packed = array(_HASH_TYPECODE, hashes if isinstance(hashes, (set, frozenset)) else set(hashes))
         if sys.byteorder == "big":
             packed.byteswap()
         return cls(replica_id, epoch, sequence, packed.tobytes(), all_cleared, timestamp_s)
