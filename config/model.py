@@ -37,6 +37,10 @@ from kvtide.config.autoscaling import AutoscalingSettings
 from kvtide.config.base import Strict
 from kvtide.config.routing import RoutingConfig
 
+# Refused connections after which HAProxy marks a replica down (Ray Serve's
+# `observe layer4 error-limit 3`); see KvtideConfig.ray_process_env.
+HAPROXY_MARK_DOWN_ERRORS = 3
+
 # The demo model's name in configs; resolved to its local cache dir by kvtide.deployments.demo_model.
 DEMO_MODEL = "demo"
 
@@ -259,8 +263,10 @@ class KvtideConfig(Strict):
                 "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
                 "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(self.ingress.max_body_bytes),
                 # Retry before the first byte: a replica that refuses the connection (dead,
-                # draining) is retried on another, up to ingress.admission.max_retries times.
-                "RAY_SERVE_HAPROXY_RETRIES": str(self.ingress.admission.max_retries),
+                # draining) is retried on another. HAProxy balances by least connections, so a
+                # dead replica (no connections) is picked again until its third refused
+                # connection marks it down (error-limit 3): 3 retries on top of max_retries.
+                "RAY_SERVE_HAPROXY_RETRIES": str(self.ingress.admission.max_retries + HAPROXY_MARK_DOWN_ERRORS),
             })
         return env
 

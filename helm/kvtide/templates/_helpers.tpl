@@ -213,7 +213,7 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
 - name: RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE
   value: {{ dig "ingress" "max_body_bytes" 4194304 .Values.kvtide | int64 | toString | quote }}
 - name: RAY_SERVE_HAPROXY_RETRIES
-  value: {{ dig "ingress" "admission" "max_retries" 2 .Values.kvtide | int64 | toString | quote }}
+  value: {{ add 3 (dig "ingress" "admission" "max_retries" 2 .Values.kvtide | int64) | toString | quote }}
 {{- end }}
 - name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
   value: "2"
