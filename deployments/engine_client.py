@@ -52,6 +52,10 @@ class EngineStream:
 
 
 class EngineClient(Protocol):
+    # Whether the call goes through a request router, which reads the request's block hashes
+    # (and its prompt text, for ray_prefix); a local call needs neither.
+    routes_requests: bool
+
     async def open(self, request: GenerateRequest, deadline: Deadline,
                    on_rejected: Callable[[str], None]) -> EngineStream: ...
 
@@ -108,6 +112,8 @@ def engine_failure_kind(exc: BaseException) -> str | None:
 class HandleEngineClient:
     """Ingress mode: stream from an engine replica through a Serve DeploymentHandle."""
 
+    routes_requests = True
+
     def __init__(self, handle: Any, limits: AdmissionLimits):
         self.handle = handle
         self.limits = limits
@@ -147,6 +153,8 @@ class HandleEngineClient:
 
 class LocalEngineClient:
     """Direct mode: the frontend and the engine share a replica; `generate` is the replica's own."""
+
+    routes_requests = False  # the routing peer already picked this replica
 
     def __init__(self, generate: Callable[[GenerateRequest], AsyncIterator[GenerateDelta]], limits: AdmissionLimits):
         self.generate = generate

@@ -136,7 +136,10 @@ class OpenAIFrontend:
                    timing: _Timing) -> Any:
         req = prompt.request
         rid = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        hashes = tuple(block_hashes(prompt.token_ids, self.block_size))
+        # Block hashes feed the router and the hot-prefix tracker; in direct mode the routing
+        # peer has done both, so the engine replica skips hashing on its hot path.
+        routes = self.engine.routes_requests
+        hashes = tuple(block_hashes(prompt.token_ids, self.block_size)) if routes or self.hot_prefixes else ()
         if self.hot_prefixes is not None:
             self.hot_prefixes.observe(prompt.token_ids, hashes, time.monotonic())
         gen_req = GenerateRequest(
@@ -144,7 +147,7 @@ class OpenAIFrontend:
             sampling=SamplingSpec(max_tokens=prompt.max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   seed=req.seed, stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos),
             block_hashes=hashes,
-            prompt=self.prompts.tokenizer.decode(prompt.token_ids) if self.send_prompt_text else None)
+            prompt=self.prompts.tokenizer.decode(prompt.token_ids) if routes and self.send_prompt_text else None)
         tags = {"model": self.model_name, "endpoint": endpoint}
         self.metrics.prompt_tokens.inc(len(prompt.token_ids), tags)
         timing.engine_called_s = time.perf_counter()
