@@ -26,6 +26,7 @@ from kvtide.deployments.router import PrefixAwareRouter, RoundRobinRouter
 
 # How long a stopping engine replica may drain when requests have no deadline.
 DRAIN_TIMEOUT_WITHOUT_DEADLINE_S = 600.0
+UNBOUNDED_SERVE_QUEUE = -1  # Serve's value for "no max_queued_requests"
 
 
 def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
@@ -42,9 +43,11 @@ def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
                                  else max(2 * config.engine.max_num_seqs, 8)),
         # Ingress mode: past this many requests waiting for a replica at one ingress's handle
         # (engines missing: died, not scaled up yet), the handle raises BackPressureError → 429.
-        # Direct mode: HTTP requests past Serve's slot cap wait here, and past it Serve answers
-        # 429 itself (backpressure_config) instead of its default 503, like the gate does.
-        "max_queued_requests": (limits.max_ongoing_requests if config.http.mode == "direct"
+        # Direct mode: unbounded, so that the admission gate is the only one that refuses and
+        # every 429 is OpenAI JSON (Serve's own queue refusal is a plain-text body). A burst
+        # past the slot cap waits for a slot, which the gate frees at once by refusing;
+        # HAProxy's maxconn (4096 by default) bounds how many connections can wait at all.
+        "max_queued_requests": (UNBOUNDED_SERVE_QUEUE if config.http.mode == "direct"
                                 else limits.max_queued_requests_per_handle),
         "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=limits.retry_after_s),
         "health_check_period_s": 10,

@@ -128,3 +128,16 @@ def test_serve_never_caps_the_ingress_below_the_admission_gate(num_replicas, max
     config = _config(replicas={"num_replicas": num_replicas}, engine={"max_num_seqs": max_num_seqs})
     gate = admission_limits(config).max_ongoing_requests
     assert ingress_deployment_options(config)["max_ongoing_requests"] > gate
+
+
+def test_direct_mode_serve_queue_never_refuses_before_the_gate():
+    """Direct mode: Serve's replica queue is unbounded, so every 429 is the gate's OpenAI JSON, not Serve's plain text."""
+    from kvtide.cluster.app import engine_deployment_options
+
+    direct = engine_deployment_options(_config(engine={"max_num_seqs": 4}, replicas={"num_replicas": 1}))
+    assert direct["max_queued_requests"] == -1
+    via_ingress = engine_deployment_options(_config(http={"mode": "ingress"}, engine={"max_num_seqs": 4},
+                                                    replicas={"num_replicas": 1}))
+    assert via_ingress["max_queued_requests"] == admission_limits(
+        _config(http={"mode": "ingress"}, engine={"max_num_seqs": 4}, replicas={"num_replicas": 1})
+    ).max_queued_requests_per_handle
