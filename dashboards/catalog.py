@@ -96,7 +96,8 @@ CATALOG: tuple[Metric, ...] = (
     Metric("ray_kvtide_time_to_first_token_seconds", _H, _I, _ING, "s",
            "Arrival at the ingress to the first output token (buckets 5 ms .. 60 s).", "model"),
     Metric("ray_kvtide_inter_token_latency_seconds", _H, _I, _ING, "s",
-           "Time between output tokens of a streamed request, per token.", "model"),
+           "Time between output tokens of a streamed request, per token; under load a random sample of at most "
+           "200 tokens a second per replica (quantiles hold, `_count` is not a token count).", "model"),
     Metric("ray_kvtide_ttft_phase_seconds", _H, _I, ("model", "phase"), "s",
            "Time to first token by phase: frontend (arrival to the engine call), transport (routing, Ray hops, "
            "waiting for a replica), engine (the engine's own queue + prefill).", "model"),
@@ -160,7 +161,7 @@ CATALOG: tuple[Metric, ...] = (
     Metric("ray_vllm_time_to_first_token_seconds", _H, _E, VLLM_LABELS, "s",
            "Engine-side time to first token (queue + prefill).", "model_name"),
     Metric("ray_vllm_inter_token_latency_seconds", _H, _E, VLLM_LABELS, "s",
-           "Engine-side time between output tokens.", "model_name"),
+           "Engine-side time between output tokens; sampled like the one above.", "model_name"),
     Metric("ray_vllm_e2e_request_latency_seconds", _H, _E, VLLM_LABELS, "s",
            "Engine-side request latency, arrival to finish.", "model_name"),
     Metric("ray_vllm_request_queue_time_seconds", _H, _E, VLLM_LABELS, "s",

@@ -17,11 +17,14 @@ Ray Serve import path (kvtide.cluster.app) stays free of vLLM.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+from kvtide.deployments.metric_sampling import SampledObserver
 
 # The vLLM fields `_LoadLogger.record` reads, by class.
 SCHEDULER_STATS_FIELDS = ("kv_cache_usage", "num_running_reqs", "num_waiting_reqs")
@@ -70,7 +73,9 @@ class _LoadLogger(StatLoggerBase):
 def kept_ray_stat_logger(kept: list) -> type:
     """vLLM's Ray Prometheus stat logger, each instance appended to `kept`.
 
-    Why: vLLM sets its gauges (KV usage, running, waiting) only when its output loop records
+    Its inter-token-latency histogram (observed per token) keeps a rate-capped sample.
+
+    Why kept: vLLM sets its gauges (KV usage, running, waiting) only when its output loop records
     stats, i.e. while requests run; an idle engine's series go missing from the scrape
     ("No data" on an idle fleet). Holding the loggers lets the replica re-record its last
     scheduler view (`refresh_gauges`) from the moment it is ready and while it is idle.
@@ -80,6 +85,10 @@ def kept_ray_stat_logger(kept: list) -> type:
     class KeptRayPrometheusStatLogger(RayPrometheusStatLogger):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            # Per token: sampled, see kvtide.deployments.metric_sampling.
+            self.histogram_inter_token_latency = {
+                engine_idx: SampledObserver(histogram, time.monotonic)
+                for engine_idx, histogram in self.histogram_inter_token_latency.items()}
             kept.append(self)
 
     return KeptRayPrometheusStatLogger

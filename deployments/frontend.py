@@ -37,7 +37,13 @@ from kvtide.deployments.engine_client import EngineClient, EngineStream, timeout
 from kvtide.deployments.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.ingress_metrics import IngressMetrics
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec
-from kvtide.deployments.prompts import Prompt, PromptBuilder, parse_json_body
+from kvtide.deployments.prompts import (
+    ROUTED_TOKENS_HEADER,
+    Prompt,
+    PromptBuilder,
+    decode_token_ids,
+    parse_json_body,
+)
 from kvtide.deployments.protocol import ApiError, Usage, chat_response, completion_response, now_s
 from kvtide.deployments.routing.block_hash import block_hashes
 from kvtide.deployments.sse import DONE, ChunkRenderer, error_event
@@ -87,6 +93,9 @@ class OpenAIFrontend:
         self.send_prompt_text = config.routing.policy == "ray_prefix"
         self.limits = admission_limits(config)
         self.gate = AdmissionGate(self.limits.max_ongoing_requests)
+        # Direct mode only: there HAProxy strips the header from clients and the routing peer
+        # sets it (prompts.ROUTED_TOKENS_HEADER); an ingress replica tokenizes itself.
+        self.trust_routed_tokens = False
 
     # ---- entry --------------------------------------------------------------------------
 
@@ -104,7 +113,8 @@ class OpenAIFrontend:
         deadline = Deadline(self.limits.request_timeout_s, time.monotonic())
         streaming = False
         try:
-            prompt = self.prompts.build(endpoint, parse_json_body(await self.prompts.read_body(request)))
+            prompt = self.prompts.build(endpoint, parse_json_body(await self.prompts.read_body(request)),
+                                        self._routed_tokens(request))
             response = await self._run(endpoint, prompt, deadline, ticket, timing)
             streaming = isinstance(response, StreamingResponse)
             return response
@@ -120,6 +130,12 @@ class OpenAIFrontend:
         finally:
             if not streaming:  # a stream's body releases the gate when it ends
                 ticket.release()
+
+    def _routed_tokens(self, request: Any) -> list[int] | None:
+        """The routing peer's token ids of this body (direct mode, set by HAProxy), if trusted and present."""
+        if not self.trust_routed_tokens:
+            return None
+        return decode_token_ids(request.headers.get(ROUTED_TOKENS_HEADER))
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{
@@ -237,7 +253,7 @@ class OpenAIFrontend:
                     elif prev_s is not None:
                         # Spread the gap over the tokens it delivered: ITL per token.
                         per_token_s = (now - prev_s) / (delta.num_output_tokens - prev_tokens)
-                        self.metrics.itl_s.observe(per_token_s, tags)
+                        self.metrics.on_inter_token_latency(now, per_token_s, tags)
                     prev_s, prev_tokens = now, delta.num_output_tokens
                 last = delta
                 if (data := renderer.delta(delta)) is not None:

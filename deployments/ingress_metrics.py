@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from ray.util import metrics
 
+from kvtide.deployments.metric_sampling import RateCappedSampler
+
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 # Serving-path phases sit well under a millisecond on a good path: finer buckets at the bottom.
 PHASE_BUCKETS_S = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -28,8 +30,10 @@ class IngressMetrics:
             "kvtide_time_to_first_token_seconds", "Arrival at the ingress to the first output token.",
             boundaries=LATENCY_BUCKETS_S, tag_keys=tags)
         self.itl_s = metrics.Histogram(
-            "kvtide_inter_token_latency_seconds", "Time between output tokens of a streamed request.",
+            "kvtide_inter_token_latency_seconds", "Time between output tokens of a streamed request "
+            "(a rate-capped random sample of them under load).",
             boundaries=ITL_BUCKETS_S, tag_keys=tags)
+        self.itl_sampler = RateCappedSampler()  # per token: see kvtide.deployments.metric_sampling
         self.e2e_s = metrics.Histogram(
             "kvtide_e2e_latency_seconds", "Arrival at the ingress to the last byte of the response.",
             boundaries=LATENCY_BUCKETS_S, tag_keys=tags)
@@ -51,6 +55,10 @@ class IngressMetrics:
     def on_ttft_phases(self, model: str, frontend_s: float, transport_s: float, engine_s: float) -> None:
         for phase, value_s in zip(TTFT_PHASES, (frontend_s, transport_s, engine_s)):
             self.ttft_phase_s.observe(max(value_s, 0.0), {"model": model, "phase": phase})
+
+    def on_inter_token_latency(self, now_s: float, per_token_s: float, tags: dict[str, str]) -> None:
+        if self.itl_sampler.keep(now_s):
+            self.itl_s.observe(per_token_s, tags)
 
     def on_rejected(self, model: str, reason: str) -> None:
         self.admission_rejections.inc(1, {"model": model, "reason": reason})

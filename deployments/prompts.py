@@ -10,12 +10,25 @@ the direct-mode routing peer, which tokenizes only to hash blocks.
     prompt + max_tokens over the context)
 
 Every refusal is an `ApiError` naming the field; nothing here talks to an engine.
+
+Tokenize once in direct mode: the routing peer has already tokenized the body to hash its
+blocks, so it hands the token ids to the replica HAProxy pins the request to, in the
+header `ROUTED_TOKENS_HEADER` (base64 of little-endian uint32). The name is in the
+`x-serve-router-` namespace, which HAProxy strips from client requests before it applies
+the peer's headers, so a client cannot send it through HAProxy. The replica still runs
+every check that does not need the tokenizer (message count, characters, vocabulary range,
+context budget) on those ids. Above `MAX_ROUTED_TOKENS` the peer leaves the header out
+and the replica tokenizes itself (a header that large would crowd HAProxy's buffer).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
+import sys
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +43,34 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 # A JSON escape of a UTF-16 surrogate; only then can a parsed body hold a lone surrogate.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 ENDPOINTS = ("completions", "chat")
+ROUTED_TOKENS_HEADER = "x-serve-router-kvtide-prompt-tokens"
+MAX_ROUTED_TOKENS = 16384  # 87 KB of base64: well inside HAProxy's request buffer
+_BIG_ENDIAN_HOST = sys.byteorder == "big"
+
+
+def encode_token_ids(token_ids: list[int]) -> str:
+    """Token ids as a header value: base64 of little-endian uint32."""
+    packed = array("I", token_ids)
+    if _BIG_ENDIAN_HOST:
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")
+
+
+def decode_token_ids(value: str | None) -> list[int] | None:
+    """The ids of an `encode_token_ids` value; None when absent or malformed (then tokenize)."""
+    if not value:
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    if len(raw) % 4:
+        return None
+    packed = array("I")
+    packed.frombytes(raw)
+    if _BIG_ENDIAN_HOST:
+        packed.byteswap()
+    return packed.tolist()
 
 
 @dataclass(frozen=True)
@@ -89,15 +130,27 @@ class PromptBuilder:
                 raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
         return bytes(body)
 
-    def build(self, endpoint: str, data: Any) -> Prompt:
-        """Validate a parsed body for `endpoint` ("completions" or "chat") and tokenize its prompt."""
+    def build(self, endpoint: str, data: Any, routed_tokens: list[int] | None = None) -> Prompt:
+        """Validate a parsed body for `endpoint` ("completions" or "chat") and tokenize its prompt.
+
+        `routed_tokens`: the routing peer's tokens of this very body (direct mode), used
+        instead of tokenizing again; every other check still runs on them.
+        """
+        if routed_tokens is not None:
+            self._check_vocabulary(routed_tokens, "prompt")
         if endpoint == "chat":
             req = self._parse(data, ChatCompletionRequest)
-            token_ids = self.chat_tokens(req)
+            token_ids = self.chat_tokens(req, routed_tokens)
             return Prompt(req, token_ids, self._budget(token_ids, req.max_output_tokens, None))
         req = self._parse(data, CompletionRequest)
-        token_ids = self.completion_tokens(req)
+        token_ids = self.completion_tokens(req, routed_tokens)
         return Prompt(req, token_ids, self._budget(token_ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS))
+
+    def routed_tokens_header(self, token_ids: list[int]) -> dict[str, str]:
+        """The routing peer's header carrying `token_ids` to the replica; {} when too long or empty."""
+        if not token_ids or len(token_ids) > MAX_ROUTED_TOKENS:
+            return {}
+        return {ROUTED_TOKENS_HEADER: encode_token_ids(token_ids)}
 
     def routing_tokens(self, body: bytes) -> list[int]:
         """Best-effort prompt tokens of a raw body, for routing only: [] when it is not a valid request.
@@ -146,22 +199,29 @@ class PromptBuilder:
             raise ApiError(400, f"the prompt has {num_chars} characters; the limit is {self.max_prompt_chars} "
                                 "(ingress.max_prompt_chars)", param=param, code="prompt_too_long")
 
-    def completion_tokens(self, req: CompletionRequest) -> list[int]:
+    def _check_vocabulary(self, token_ids: list[int], param: str) -> None:
+        if token_ids and max(token_ids) >= self.vocab_size:
+            bad = next(t for t in token_ids if t >= self.vocab_size)
+            raise ApiError(400, f"token id {bad} is out of range; the vocabulary has {self.vocab_size} tokens",
+                           param=param, code="invalid_value")
+
+    def completion_tokens(self, req: CompletionRequest, routed_tokens: list[int] | None = None) -> list[int]:
         if isinstance(req.prompt, str):
             self._check_prompt_chars(len(req.prompt), "prompt")
+            if routed_tokens is not None:
+                return routed_tokens
             return self.tokenizer.encode(req.prompt, add_special_tokens=True)
-        bad = [t for t in req.prompt if t >= self.vocab_size]
-        if bad:
-            raise ApiError(400, f"token id {bad[0]} is out of range; the vocabulary has {self.vocab_size} tokens",
-                           param="prompt", code="invalid_value")
+        self._check_vocabulary(req.prompt, "prompt")
         return list(req.prompt)
 
-    def chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_tokens(self, req: ChatCompletionRequest, routed_tokens: list[int] | None = None) -> list[int]:
         if len(req.messages) > self.max_messages:
             raise ApiError(400, f"the request has {len(req.messages)} messages; the limit is {self.max_messages} "
                                 "(ingress.max_messages)", param="messages", code="too_many_messages")
         conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
         self._check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
+        if routed_tokens is not None:
+            return routed_tokens
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # a template may reject a role order; that is the client's input

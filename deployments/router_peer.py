@@ -4,8 +4,9 @@
         tokenize the prompt (prompts.PromptBuilder: the same tokens the replica will compute)
         → block hashes → engine handle.choose_replica(RoutingKey, _reserve=False)
           (runs the engine deployment's request router: kvtide's prefix_aware, or a baseline)
-    ◄── {"replica_id": "SERVE_REPLICA::<app>#Engine#<id>"}; HAProxy forwards the original
-        request to that replica's own HTTP port
+    ◄── {"replica_id": "SERVE_REPLICA::<app>#Engine#<id>",
+         "request_headers": {prompts.ROUTED_TOKENS_HEADER: <the token ids>}}; HAProxy forwards
+        the original request, with those headers, to that replica's own HTTP port
 
 Ray Serve 2.60 wires it with `Application._with_ingress_request_router` (an internal hook
 that Ray Serve LLM's direct streaming uses too) and HAProxy's Lua action; the body reaches
@@ -66,7 +67,8 @@ class RouterPeer:
                          prompt=self.prompts.tokenizer.decode(token_ids) if self.send_prompt_text else None)
         async with self.engine.choose_replica(key, _reserve=False) as selection:
             replica_id = selection._replica.replica_id.to_full_id_str()
-        return {"replica_id": replica_id}
+        # HAProxy sets these headers on the request it forwards: the replica skips tokenizing.
+        return {"replica_id": replica_id, "request_headers": self.prompts.routed_tokens_header(token_ids)}
 
     async def hot_prefixes(self, limit: int = 32) -> list[tuple[list[int], float]]:
         """Handle method (not HTTP): shared prefixes a new engine replica should prefill."""

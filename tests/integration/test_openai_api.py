@@ -124,3 +124,14 @@ def test_health_and_ready(http):
     assert http.get("/health").json() == {"status": "ok"}
     ready = http.get("/ready")
     assert ready.status_code == 200 and ready.json() == {"status": "ready"}
+
+
+def test_a_client_cannot_supply_the_routed_tokens_header(cluster, http):
+    """Through HAProxy a client's copy of the peer-only token header is dropped: the prompt is the body's."""
+    from kvtide.deployments.prompts import ROUTED_TOKENS_HEADER, encode_token_ids
+
+    body = {"model": cluster.model_name, "prompt": "def fibonacci(n):", "max_tokens": 1, "ignore_eos": True}
+    plain = http.post("/v1/completions", json=body)
+    forged = http.post("/v1/completions", json=body, headers={ROUTED_TOKENS_HEADER: encode_token_ids([5])})
+    assert plain.status_code == forged.status_code == 200, (plain.text, forged.text)
+    assert forged.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"] > 1

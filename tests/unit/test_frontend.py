@@ -18,7 +18,7 @@ from kvtide.deployments.engine_client import HandleEngineClient, LocalEngineClie
 from kvtide.deployments.frontend import OpenAIFrontend
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec
 from kvtide.deployments.openai_app import build_openai_app
-from kvtide.deployments.prompts import PromptBuilder
+from kvtide.deployments.prompts import ROUTED_TOKENS_HEADER, PromptBuilder, encode_token_ids
 from kvtide.deployments.protocol import ApiError
 
 CONFIG = parse_config({"model": "/m", "served_model_name": "m", "engine": {"max_model_len": 64}})
@@ -63,6 +63,9 @@ class FakeMetrics:
 
     def on_ttft_phases(self, model: str, frontend_s: float, transport_s: float, engine_s: float) -> None:
         self.phases.append((frontend_s, transport_s, engine_s))
+
+    def on_inter_token_latency(self, now_s: float, per_token_s: float, tags: dict[str, str]) -> None:
+        pass
 
 
 def _deltas(n: int) -> list[GenerateDelta]:
@@ -215,3 +218,27 @@ def test_handle_client_gives_503_after_max_retries_and_429_on_backpressure():
     with pytest.raises(ApiError) as info:
         _open(handle)
     assert info.value.status == 429 and handle.calls == ["req"]
+
+
+@pytest.mark.parametrize(("trusted", "expected_prompt_tokens"), [(True, [7, 8, 9]), (False, [1, 97, 98, 99])])
+def test_routed_tokens_header_is_used_only_where_trusted(trusted, expected_prompt_tokens):
+    """Direct mode tokenizes once (the routing peer's header); elsewhere a client's copy of the header is ignored."""
+    seen: list[list[int]] = []
+
+    async def generate(request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        seen.append(list(request.prompt_token_ids))
+        for delta in _deltas(1):
+            yield delta
+
+    frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
+                              LocalEngineClient(generate, admission_limits(CONFIG)), FakeMetrics(), None)
+    frontend.trust_routed_tokens = trusted
+
+    async def ready() -> bool:
+        return True
+
+    client = TestClient(build_openai_app(frontend, ApiKeys([]), ready))
+    resp = client.post("/v1/completions", json={"model": "m", "prompt": "abc", "max_tokens": 1},
+                       headers={ROUTED_TOKENS_HEADER: encode_token_ids([7, 8, 9])})
+    assert resp.status_code == 200, resp.text
+    assert seen == [expected_prompt_tokens]
