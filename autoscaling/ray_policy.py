@@ -16,11 +16,13 @@ Ray Serve 2.60's custom policy contract, as the installed source has it
 - `ctx.policy_state` is what the previous call returned (plus Ray's own delay keys,
   which Ray merges back in); the law's timers live under `POLICY_STATE_KEY`.
 - Custom metrics: whatever a replica's `record_autoscaling_stats()` returns (a flat
-  `dict[str, int | float]`, sampled every look_back_period_s × 0.2 s and pushed every
-  RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S, default 10 s) appears as
+  `dict[str, int | float]`, sampled every min(look_back_period_s × 0.2, metrics_interval_s)
+  and pushed every `metrics_interval_s`; Ray 2.60 reads the config field, not yet the
+  RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S that replaces it) appears as
       ctx.aggregated_metrics[key][replica_id] -> float   time-weighted mean over look_back_period_s
       ctx.raw_metrics[key][replica_id]        -> [TimeStampedValue(timestamp, value), ...]
-  for running replicas that have reported at least once.
+  for running replicas that have reported at least once. The law's slow path reads the
+  means; its fast path reads the newest raw sample of each replica and its timestamp.
 
 The metric keys a replica reports are defined in `kvtide.autoscaling.replica_stats`
 (the engine imports that pure module, not this adapter).
@@ -52,30 +54,47 @@ def _counter_delta(series: Any, since_s: float) -> float:
     return max(points[-1].value - points[0].value, 0.0)
 
 
-def law_context(ctx: Any, look_back_s: float) -> LawContext:
+def _newest(series: Any) -> Any | None:
+    """The newest TimeStampedValue of a raw series, or None when there is none."""
+    return max(series, key=lambda point: point.timestamp) if series else None
+
+
+def law_context(ctx: Any, look_back_s: float, recent_s: float | None = None) -> LawContext:
     """Translate Ray's `AutoscalingContext` into the law's inputs.
 
     Replicas still starting are `target - running` when the target is above the running
     count. When it is below (Ray is stopping replicas), only the `target` replicas that
     stay count as running, so a hold never undoes a scale-down in flight.
+
+    Window means feed the slow path; the newest raw KV / waiting sample of each replica,
+    the newest KV sample's timestamp (`sampled_at_s`: the controller ticks ~10× per push,
+    the law records each sample once) and the preemptions within `recent_s` (the law's
+    trend_window_s) feed the fast path.
     """
     now_s = ctx.current_time if ctx.current_time is not None else time.time()
+    recent_s = look_back_s if recent_s is None else recent_s
     aggregated = ctx.aggregated_metrics or {}
     raw = ctx.raw_metrics or {}
     kv = aggregated.get(KV_USAGE_KEY, {})
     waiting = aggregated.get(NUM_WAITING_KEY, {})
     running = aggregated.get(NUM_RUNNING_KEY, {})
     preemptions = raw.get(NUM_PREEMPTIONS_TOTAL_KEY, {})
+    reporting = [replica_id for replica_id in ctx.running_replicas if replica_id in kv]
+    kv_now = {replica_id: _newest(raw.get(KV_USAGE_KEY, {}).get(replica_id)) for replica_id in reporting}
+    waiting_now = {replica_id: _newest(raw.get(NUM_WAITING_KEY, {}).get(replica_id)) for replica_id in reporting}
     stats = tuple(
         ReplicaStats(
             kv_usage_perc=float(kv[replica_id]),
             num_waiting=float(waiting.get(replica_id, 0.0)),
             num_running=float(running.get(replica_id, 0.0)),
             num_preemptions=_counter_delta(preemptions.get(replica_id), now_s - look_back_s),
+            kv_usage_now_perc=None if kv_now[replica_id] is None else float(kv_now[replica_id].value),
+            num_waiting_now=None if waiting_now[replica_id] is None else float(waiting_now[replica_id].value),
+            num_preemptions_recent=_counter_delta(preemptions.get(replica_id), now_s - recent_s),
         )
-        for replica_id in ctx.running_replicas
-        if replica_id in kv
+        for replica_id in reporting
     )
+    sample_times = [point.timestamp for point in kv_now.values() if point is not None]
     num_current, num_target = ctx.current_num_replicas, ctx.target_num_replicas
     return LawContext(
         replicas=stats,
@@ -84,6 +103,7 @@ def law_context(ctx: Any, look_back_s: float) -> LawContext:
         min_replicas=ctx.capacity_adjusted_min_replicas,
         max_replicas=ctx.capacity_adjusted_max_replicas,
         now_s=now_s,
+        sampled_at_s=max(sample_times) if sample_times else None,
     )
 
 
@@ -100,7 +120,7 @@ class KvPolicy:
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         look_back_s = ctx.config.look_back_period_s if ctx.config is not None else 30.0
-        context = law_context(ctx, look_back_s)
+        context = law_context(ctx, look_back_s, self.tunables.trend_window_s)
         state = LawState.from_dict(ctx.policy_state.get(POLICY_STATE_KEY))
         desired, state, decision = decide(context, state, self.tunables)
         self._log(decision)
@@ -119,9 +139,15 @@ class KvPolicy:
 def autoscaling_config(settings: AutoscalingSettings, min_replicas: int, max_replicas: int) -> dict[str, Any]:
     """The engine deployment's `autoscaling_config` option for the chosen policy.
 
-    Ray 2.60 deprecates `metrics_interval_s` (it warns when set); replicas sample their
-    stats every look_back_period_s × 0.2 and push them every
-    RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S (10 s), so it is left out.
+    `metrics_interval_s` is `metrics_push_interval_s`. Ray 2.60 marks the field deprecated
+    in favour of RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S (kvtide sets that
+    too, for the release that reads it), but its replicas and handles still push every
+    `metrics_interval_s` (default 10 s, which alone would keep the fast path ~10 s behind)
+    and its validator warns, later raises, unless look_back_period_s exceeds it:
+    AutoscalingSettings refuses look_back_s <= metrics_push_interval_s, so that holds.
+    Setting the field costs one DeprecationWarning where Ray validates the config (hidden
+    outside tests by Python's default filters); leaving it out cost the warning above on
+    short windows and a 10 s push.
     """
     if not 0 <= min_replicas <= max_replicas or max_replicas < 1:
         raise ValueError(
@@ -133,6 +159,7 @@ def autoscaling_config(settings: AutoscalingSettings, min_replicas: int, max_rep
         "max_replicas": max_replicas,
         "initial_replicas": max(1, min_replicas),
         "look_back_period_s": settings.look_back_s,
+        "metrics_interval_s": settings.metrics_push_interval_s,
     }
     if settings.policy == "queue_length":
         config.update(

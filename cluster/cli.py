@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import threading
+import time
 
 from kvtide.config import ConfigError, KvtideConfig, load_config
 
@@ -42,15 +42,22 @@ def default_config_path() -> str:
     return str(files("kvtide.cluster") / "configs" / "cpu.yaml")
 
 
+# How often the idle main thread checks whether a stop signal has arrived.
+STOP_POLL_S = 0.25
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvtide.cluster import local
 
     config = _config_from_args(args)
-    stop_event = threading.Event()
+    # Signals received, appended by the handler. Not a threading.Event: a second signal
+    # arriving while the handler is inside Event.set() (Ctrl-C reaches both `make` and
+    # kvtide; `timeout` forwards its own) re-enters it and deadlocks on the Event's lock.
+    received: list[int] = []
     serving = False
 
     def on_signal(signum: int, _frame) -> None:
-        stop_event.set()
+        received.append(signum)
         if not serving:  # still starting: abandon the start; `finally` stops what it began
             raise KeyboardInterrupt
 
@@ -68,7 +75,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         install_handlers()
         print(f"kvtide: ready. OpenAI API at {cluster.base_url}/v1 (model '{cluster.model_name}'), "
               f"metrics at {cluster.metrics_url}. Ctrl-C stops everything.", flush=True)
-        stop_event.wait()
+        while not received:
+            time.sleep(STOP_POLL_S)
     finally:
         print(f"kvtide: shutting down (requests in flight get up to {local.STOP_DRAIN_TIMEOUT_S:.0f} s) ...",
               flush=True)

@@ -3,6 +3,8 @@
     AutoscalingSettings
     ├── policy                  kv (this package's control law) | queue_length (Ray's default)
     ├── target/upper/lower_kv_perc, look_back_s, upscale/downscale_delay_s, max_step, ...
+    ├── fast_upscale, fast_upscale_delay_s, trend_window_s, trend_horizon_s   the fast up-path
+    ├── scale_down_cooldown_s   no scale-down this soon after a scale-up
     ├── target_ongoing_requests only for queue_length
     └── warm_start  WarmStartSettings   prefill hot prefixes on a new replica first
 
@@ -59,15 +61,40 @@ class AutoscalingSettings(Strict):
     )
     metrics_push_interval_s: float = Field(
         2.0, gt=0.0,
-        description="How often each replica pushes its autoscaling stats to the Serve controller "
-        "(RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S; Ray's default is 10 s, slow for KV pressure). "
-        "`kvtide serve` and the Helm chart set it on every Ray process.",
+        description="How often each replica pushes its autoscaling stats to the Serve controller: the engine "
+        "deployment's metrics_interval_s (what Ray 2.60 reads) and "
+        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S (its announced replacement; `kvtide serve` and the Helm chart set it on every Ray process). Ray's default "
+        "is 10 s, slow for KV pressure. Must be below look_back_s.",
     )
     upscale_delay_s: float = Field(
-        30.0, ge=0.0, description="How long pressure must persist before adding replicas."
+        30.0, ge=0.0,
+        description="How long look-back-mean pressure must persist before adding replicas (the slow path).",
     )
     downscale_delay_s: float = Field(
         300.0, ge=0.0, description="How long slack must persist before removing replicas."
+    )
+    fast_upscale: bool = Field(
+        True,
+        description="Scale up within seconds when the latest KV samples trend across upper_kv_perc or "
+        "waiting requests rise or requests get preempted; false leaves only the look-back-mean path.",
+    )
+    fast_upscale_delay_s: float = Field(
+        2.0, ge=0.0, le=60.0,
+        description="How long a fast-path trigger (KV trend, rising queue, preemptions) must hold before adding "
+        "replicas (the law never waits longer than upscale_delay_s on it).",
+    )
+    trend_window_s: float = Field(
+        10.0, gt=0.0, le=120.0,
+        description="Span of the latest samples the fast path fits its KV trend line to (least squares).",
+    )
+    trend_horizon_s: float = Field(
+        4.0, ge=0.0, le=120.0,
+        description="How far ahead the fast path extends the KV trend line: it fires when the line crosses "
+        "upper_kv_perc within this horizon.",
+    )
+    scale_down_cooldown_s: float = Field(
+        60.0, ge=0.0, le=3600.0,
+        description="No scale-down within this long of the last scale-up.",
     )
     max_step: int = Field(2, ge=1, description="Most replicas added or removed by one decision.")
     upscale_waiting_per_replica: float = Field(
@@ -106,5 +133,13 @@ class AutoscalingSettings(Strict):
             raise ValueError(
                 f"autoscaling.target_kv_perc={target} is not below autoscaling.upper_kv_perc={upper}; "
                 f"lower target_kv_perc or raise upper_kv_perc: {fix}"
+            )
+        # Ray (2.60) pushes replica stats every metrics_interval_s, which kvtide sets to
+        # metrics_push_interval_s, and warns (later: raises) unless the window is longer.
+        if self.look_back_s <= self.metrics_push_interval_s:
+            raise ValueError(
+                f"autoscaling.look_back_s={self.look_back_s} is not above "
+                f"autoscaling.metrics_push_interval_s={self.metrics_push_interval_s}: a window must span more "
+                "than one stats push; raise look_back_s or lower metrics_push_interval_s"
             )
         return self

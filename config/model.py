@@ -255,6 +255,10 @@ class KvtideConfig(Strict):
             # a health check every 250 ms sees it within a second. Ray's 30 s made every stop
             # and scale-down wait 35 s.
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+            # Ray starts its workers at nice 15: the engine replicas, HAProxy and the routing
+            # peer would yield the CPU to Ray's own daemons (raylet, GCS, metrics agent) and to
+            # anything else on the node. They are the product; they run at normal priority.
+            "RAY_worker_niceness": "0",
         }
         if self.http.mode == "direct":
             env.update({

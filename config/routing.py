@@ -38,3 +38,18 @@ class RoutingConfig(Strict):
         0.95, gt=0, le=1.0, description="prefix_aware: a replica whose KV cache is this full counts as overloaded.")
     history_ttl_s: float = Field(
         10.0, gt=0, description="prefix_aware: how long the router's own routing counts as cached without a digest.")
+    # Hot-prefix replication and session affinity (the policy's docstring gives the reasons).
+    replication_key_tokens: int = Field(
+        128, ge=1, description="prefix_aware: requests sharing their first this many tokens (whole blocks, at least "
+                               "one) form one prefix group, for hot-prefix replication and deterministic tiebreaks.")
+    replication_fill: float = Field(
+        0.5, gt=0, le=1.0, description="prefix_aware: share of the load-guard limit one replica may carry of a single "
+                                       "prefix group before the group is spread over one more replica.")
+    replication_max_replicas: int = Field(
+        8, ge=1, description="prefix_aware: most replicas a hot prefix group is deliberately spread over (1 disables).")
+    replication_half_life_s: float = Field(
+        10.0, gt=0,
+        description="prefix_aware: half-life, in seconds, of the request counts estimating each group's traffic share.")
+    session_ttl_s: float = Field(
+        60.0, gt=0,
+        description="prefix_aware: how long a session sticks to the replica of its last turn (under the load guard).")

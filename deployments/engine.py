@@ -165,8 +165,10 @@ class EngineReplica:
         )
         called_s = time.perf_counter()
         num_output_tokens = 0
-        outputs = self.engine.generate(
-            TokensPrompt(prompt_token_ids=request.prompt_token_ids), params, request_id=request.request_id)
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt  # vLLM keeps this salt's cached blocks apart
+        outputs = self.engine.generate(prompt, params, request_id=request.request_id)
         try:
             async for out in outputs:
                 completion = out.outputs[0]

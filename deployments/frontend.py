@@ -41,11 +41,13 @@ from kvtide.deployments.prompts import (
     ROUTED_TOKENS_HEADER,
     Prompt,
     PromptBuilder,
+    SESSION_HEADER,
     decode_token_ids,
     parse_json_body,
+    session_key,
 )
 from kvtide.deployments.protocol import ApiError, Usage, chat_response, completion_response, now_s
-from kvtide.deployments.routing.block_hash import block_hashes
+from kvtide.deployments.routing.block_hash import block_hashes, salt_root
 from kvtide.deployments.sse import DONE, ChunkRenderer, error_event
 
 logger = logging.getLogger("kvtide.frontend")
@@ -115,7 +117,8 @@ class OpenAIFrontend:
         try:
             prompt = self.prompts.build(endpoint, parse_json_body(await self.prompts.read_body(request)),
                                         self._routed_tokens(request))
-            response = await self._run(endpoint, prompt, deadline, ticket, timing)
+            response = await self._run(endpoint, prompt, deadline, ticket, timing,
+                                       request.headers.get(SESSION_HEADER))
             streaming = isinstance(response, StreamingResponse)
             return response
         except ApiError as err:
@@ -149,20 +152,23 @@ class OpenAIFrontend:
         self.metrics.on_rejected(self.model_name, reason)
 
     async def _run(self, endpoint: str, prompt: Prompt, deadline: Deadline, ticket: _Ticket,
-                   timing: _Timing) -> Any:
+                   timing: _Timing, session_header: str | None) -> Any:
         req = prompt.request
         rid = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         # Block hashes feed the router and the hot-prefix tracker; in direct mode the routing
         # peer has done both, so the engine replica skips hashing on its hot path.
         routes = self.engine.routes_requests
-        hashes = tuple(block_hashes(prompt.token_ids, self.block_size)) if routes or self.hot_prefixes else ()
-        if self.hot_prefixes is not None:
+        salt = req.cache_salt
+        hashes = (tuple(block_hashes(prompt.token_ids, self.block_size, parent=salt_root(salt)))
+                  if routes or self.hot_prefixes else ())
+        if self.hot_prefixes is not None and salt is None:
+            # A salted (tenant-private) prefix is never warmed into a new replica's shared cache.
             self.hot_prefixes.observe(prompt.token_ids, hashes, time.monotonic())
         gen_req = GenerateRequest(
             request_id=rid, prompt_token_ids=prompt.token_ids,
             sampling=SamplingSpec(max_tokens=prompt.max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   seed=req.seed, stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos),
-            block_hashes=hashes,
+            block_hashes=hashes, cache_salt=salt, session_key=session_key(prompt, session_header),
             prompt=self.prompts.tokenizer.decode(prompt.token_ids) if routes and self.send_prompt_text else None)
         tags = {"model": self.model_name, "endpoint": endpoint}
         self.metrics.prompt_tokens.inc(len(prompt.token_ids), tags)

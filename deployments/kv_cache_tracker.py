@@ -8,6 +8,8 @@ block's kvtide hash is `chain_hash(kvtide_hash(parent), tokens)`.
 
     vLLM event                       tracker state
     BlockStored(parent, tokens, hs)  vllm_to_ours[h_i] = chain(ours(parent), tokens_i); held += ours
+                                     (no parent: the chain starts at salt_root(the first
+                                     block's cache salt, from the event's extra keys))
     BlockRemoved(hs)                 held -= vllm_to_ours.pop(h)
     AllBlocksCleared                 held = {}, vllm_to_ours = {}; remember "cleared"
 
@@ -18,8 +20,23 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from kvtide.deployments.routing.block_hash import BlockHash, chain_hash
+from kvtide.deployments.routing.block_hash import BlockHash, chain_hash, salt_root
 from kvtide.deployments.routing.snapshot import CacheDigest
+
+
+def first_block_salt(event: Any) -> str | None:
+    """The cache salt of a `BlockStored` that starts a prompt, from its first block's extra keys.
+
+    vLLM publishes each block's extra keys untagged: the LoRA name, (mm id, offset) pairs,
+    the cache salt (first block only) and prompt-embedding digests. kvtide serves neither
+    LoRA nor multimodal inputs, so the one string that is not the LoRA name is the salt.
+    """
+    extra_keys = getattr(event, "extra_keys", None)
+    if event.parent_block_hash is not None or not extra_keys or not extra_keys[0]:
+        return None
+    lora_name = getattr(event, "lora_name", None)
+    salts = [key for key in extra_keys[0] if isinstance(key, str) and key != lora_name]
+    return salts[0] if salts else None
 
 
 class KvCacheTracker:
@@ -39,8 +56,12 @@ class KvCacheTracker:
     def num_blocks(self) -> int:
         return len(self._held)
 
-    def on_stored(self, vllm_hashes: Iterable[Any], parent_vllm_hash: Any | None, token_ids: list[int]) -> None:
-        parent = self._vllm_to_ours.get(parent_vllm_hash) if parent_vllm_hash is not None else None
+    def on_stored(self, vllm_hashes: Iterable[Any], parent_vllm_hash: Any | None, token_ids: list[int],
+                  cache_salt: str | None = None) -> None:
+        if parent_vllm_hash is None:
+            parent = salt_root(cache_salt)
+        else:
+            parent = self._vllm_to_ours.get(parent_vllm_hash)
         if parent_vllm_hash is not None and parent is None:
             # The parent was stored before we subscribed (or is unknown): the chain
             # cannot be named in kvtide hashes, so these blocks are not advertised.
@@ -76,7 +97,8 @@ class KvCacheTracker:
         """Apply one decoded vLLM KV event (BlockStored / BlockRemoved / AllBlocksCleared)."""
         kind = type(event).__name__
         if kind == "BlockStored":
-            self.on_stored(event.block_hashes, event.parent_block_hash, list(event.token_ids))
+            self.on_stored(event.block_hashes, event.parent_block_hash, list(event.token_ids),
+                           first_block_salt(event))
         elif kind == "BlockRemoved":
             self.on_removed(event.block_hashes)
         elif kind == "AllBlocksCleared":

@@ -34,6 +34,10 @@ class GenerateRequest:
     # The rendered prompt text, only for the ray_prefix baseline router (Ray Serve LLM's
     # PrefixCacheAffinityRouter matches characters of an argument's `prompt`).
     prompt: str | None = None
+    # vLLM's prefix-cache isolation key; block_hashes already start from its salt_root.
+    cache_salt: str | None = None
+    # A multi-turn conversation's id (prompts.session_key): prefix_aware keeps it on one replica.
+    session_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,9 @@ class RoutingKey:
 
     block_hashes: tuple[int, ...] = ()
     prompt: str | None = None
+    # A multi-turn conversation's id (the OpenAI `user` field or an x-session-id header):
+    # prefix_aware keeps its turns on one replica while under the load guard. None: no session.
+    session_key: str | None = None
 
 
 @dataclass

@@ -44,6 +44,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 ENDPOINTS = ("completions", "chat")
 ROUTED_TOKENS_HEADER = "x-serve-router-kvtide-prompt-tokens"
+SESSION_HEADER = "x-session-id"  # Ray Serve's default RAY_SERVE_SESSION_ID_HEADER_KEY
 MAX_ROUTED_TOKENS = 16384  # 87 KB of base64: well inside HAProxy's request buffer
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
 
@@ -96,6 +97,17 @@ def parse_json_body(body: bytes) -> Any:
             raise ApiError(400, "a string in the request body holds a lone UTF-16 surrogate (U+D800..U+DFFF)",
                            code="invalid_value") from None
     return data
+
+
+def session_key(prompt: Prompt, session_header: str | None) -> str | None:
+    """A conversation's routing key: the `x-session-id` header, else the OpenAI `user` field.
+
+    prefix_aware keeps a session's turns on the replica that holds its history (under the
+    load guard). The header is Ray Serve's session header (RAY_SERVE_SESSION_ID_HEADER_KEY),
+    which HAProxy also forwards to the routing peer; `user` names an end user, whose
+    requests are usually one conversation at a time.
+    """
+    return session_header or prompt.request.user or None
 
 
 def load_tokenizer(config: KvtideConfig) -> Any:
@@ -152,17 +164,17 @@ class PromptBuilder:
             return {}
         return {ROUTED_TOKENS_HEADER: encode_token_ids(token_ids)}
 
-    def routing_tokens(self, body: bytes) -> list[int]:
-        """Best-effort prompt tokens of a raw body, for routing only: [] when it is not a valid request.
+    def routing_prompt(self, body: bytes) -> Prompt | None:
+        """Best-effort prompt of a raw body, for routing only: None when it is not a valid request.
 
         The replica that serves the request validates it again and answers any error itself.
         """
         try:
             data = parse_json_body(body)
             endpoint = "chat" if isinstance(data, dict) and "messages" in data else "completions"
-            return self.build(endpoint, data).token_ids
+            return self.build(endpoint, data)
         except ApiError:
-            return []
+            return None
 
     def _parse(self, data: Any, model_cls: type) -> Any:
         if not isinstance(data, dict):

@@ -81,6 +81,9 @@ class _SamplingFields(BaseModel):
     # vLLM's extension, honoured as bare vLLM does: keep generating past the EOS token.
     # Load generators need it so every request costs exactly max_tokens.
     ignore_eos: bool = False
+    # vLLM's extension: prefix-cache isolation. Requests share cached KV blocks (and the
+    # router matches them) only with requests of the same salt; typically one per tenant.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("n")
     @classmethod

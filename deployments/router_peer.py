@@ -30,8 +30,8 @@ from ray.serve.handle import DeploymentHandle
 from kvtide.config import KvtideConfig, parse_config
 from kvtide.deployments.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.messages import RoutingKey
-from kvtide.deployments.prompts import PromptBuilder, load_tokenizer
-from kvtide.deployments.routing.block_hash import block_hashes
+from kvtide.deployments.prompts import SESSION_HEADER, PromptBuilder, load_tokenizer, session_key
+from kvtide.deployments.routing.block_hash import block_hashes, salt_root
 
 logger = logging.getLogger("kvtide.router_peer")
 
@@ -53,17 +53,21 @@ class RouterPeer:
 
         @app.post("/internal/route")
         async def route(request: Request) -> dict[str, Any]:
-            return await self.route(await request.body())
+            # HAProxy forwards the client's session header (Ray's RAY_SERVE_SESSION_ID_HEADER_KEY).
+            return await self.route(await request.body(), request.headers.get(SESSION_HEADER))
 
         return app
 
-    async def route(self, body: bytes) -> dict[str, Any]:
+    async def route(self, body: bytes, session_header: str | None = None) -> dict[str, Any]:
         """The replica HAProxy should pin this request to."""
-        token_ids = self.prompts.routing_tokens(body)
-        hashes = tuple(block_hashes(token_ids, self.block_size))
-        if hashes:
+        prompt = self.prompts.routing_prompt(body)
+        token_ids = prompt.token_ids if prompt is not None else []
+        salt = prompt.request.cache_salt if prompt is not None else None
+        hashes = tuple(block_hashes(token_ids, self.block_size, parent=salt_root(salt)))
+        if hashes and salt is None:  # a salted (tenant-private) prefix is never warmed elsewhere
             self.hot_prefixes_tracker.observe(token_ids, hashes, time.monotonic())
         key = RoutingKey(block_hashes=hashes,
+                         session_key=session_key(prompt, session_header) if prompt is not None else None,
                          prompt=self.prompts.tokenizer.decode(token_ids) if self.send_prompt_text else None)
         async with self.engine.choose_replica(key, _reserve=False) as selection:
             replica_id = selection._replica.replica_id.to_full_id_str()

@@ -16,6 +16,12 @@ The result must be equal in every process (the ingress computes it per request, 
 engine replica recomputes it from vLLM's KV events), so Python's salted `hash()` is
 never used. A trailing partial block is not hashed: vLLM only caches full blocks.
 
+Cache salts (vLLM's `cache_salt`, one per tenant): a salted prompt's chain starts from
+`salt_root(salt)` instead of nothing, so its hashes differ from every other salt's and
+from unsalted ones at every block; vLLM likewise mixes the salt into its first block's
+hash, and its `BlockStored` event names the salt in that block's extra keys, which is how
+the engine side starts the same chain.
+
 Invariant: `block_hashes(a + b, bs)[len(a) // bs:]` == `block_hashes(b, bs, parent=...)`
 when `len(a)` is a multiple of `bs` -- the chain can be continued from any parent,
 which is how the engine side translates `BlockStored(parent_block_hash, token_ids)`.
@@ -41,6 +47,14 @@ def _pack_tokens(token_ids: Sequence[int]) -> array:
     if _BIG_ENDIAN_HOST:  # the hash is defined over little-endian bytes everywhere
         packed.byteswap()
     return packed
+
+
+def salt_root(salt: str | None) -> BlockHash | None:
+    """The parent hash a prompt with this cache salt chains its first block from (None: unsalted)."""
+    if not salt:
+        return None
+    digest = blake2b(b"kvtide-cache-salt\0" + salt.encode("utf-8"), digest_size=_HASH_BYTES).digest()
+    return BlockHash(int.from_bytes(digest, "little"))
 
 
 def _parent_bytes(parent: BlockHash | None) -> bytes:

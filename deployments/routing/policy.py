@@ -1,8 +1,10 @@
 """prefix_aware: rank engine replicas by estimated time-to-first-token, under a load guard.
 
 The pure function `rank_replicas` turns (request block hashes, replica snapshots, the
-prefix index, tunables, an rng, the clock) into a ranking, best first. The Ray Serve
-adapter tries the replicas in that order (a full replica rejects, the next is tried).
+prefix index, the prefix groups' demand, the session memory, tunables, an rng, the
+clock, an optional session key) into a ranking, best first. The Ray Serve adapter tries
+the replicas in that order (a full replica rejects, the next is tried). `RouterState`
+bundles what one router remembers between decisions and books each routed request.
 
 Algorithm, one decision:
 
@@ -11,29 +13,62 @@ Algorithm, one decision:
     guard        load(r) = r.num_queued_requests
                  limit   = load_guard_factor × mean(load) + load_guard_slack
                  over(r) = load(r) > limit  or  r.kv_usage_perc >= kv_usage_guard_perc
-    score        cost(r) = uncached prefill tokens on r                      (prefill it must do)
-                         + tokens_per_queued_request × load(r)              (work ahead of it)
-                 uncached = (len(hashes) − matched_blocks(r)) × block_size
-    pick         sort by (over, cost, random tiebreak): every replica under the guard
-                 comes before every replica over it, whatever its affinity
+    group        g = hash of the request's first replication_key_tokens (whole blocks)
+    replicate    demand(g) = share(g) × Σ load        (share: g's decayed share of requests)
+                 k = ceil(demand(g) / (replication_fill × limit)), 1 ≤ k ≤ replication_max_replicas, N
+                 if k ≥ 2: set(g) = the top k replicas by rendezvous weight of g
+                           credit = min(blocks the request shares with g's shared prefix,
+                                        the longest match any candidate has)
+    score        cached(r) = max(matched(r), credit) if r ∈ set(g) else matched(r)
+                 cost(r)   = (len(hashes) − cached(r)) × block_size      (prefill it must do)
+                           + tokens_per_queued_request × load(r)         (work ahead of it)
+    sticky       s = the replica that served this session's last turn (session_ttl_s), if known
+    pick         sort by (over, r ≠ s unless over, cost, replica id):
+                 every replica under the guard comes before every replica over it,
+                 whatever its affinity, credit or session; under the guard the session's
+                 replica comes first
+    tiebreak     replicas tied for FIRST place are reordered by rendezvous weight of the
+                 session key, else of g; only a request with neither (no full block, no
+                 session) draws from the rng. Later places (tried only when the first
+                 rejects) keep replica-id order, so weights are computed for the few
+                 tied replicas, not all N
 
 Consequences, each pinned by a unit test:
-- Affinity never overrides the load guard: a replica holding the whole prefix but over
-  the limit ranks after every replica under it (bounded-load hashing, Mirrokni et al.).
+- Affinity never overrides the load guard: a replica holding the whole prefix (or
+  credited with it, or serving the session) but over the limit ranks after every
+  replica under it (bounded-load hashing, Mirrokni et al.).
 - No match anywhere: the uncached term is equal for all, so the least loaded wins;
   there is no "smallest tree" fallback that would herd new prefixes onto one replica.
 - A longer prefix beats a shorter one at equal load; a cached prefix is worth
   `block_size × blocks / tokens_per_queued_request` requests of queue.
-- Exact ties (equal cost) are broken by the injected rng, so equal replicas share load.
+- Hot prefixes replicate, they are not sprayed: a group whose estimated in-flight demand
+  exceeds replication_fill × limit counts as cached (up to its shared prefix) on k
+  replicas picked by rendezvous hashing, so its traffic spreads over those k by load,
+  and the first request to a cold member prefills the prefix there once. Replicas
+  outside the set keep only their real cache. A conversation's own history (blocks past
+  the shared prefix) is never credited, so it stays where it is cached. When demand
+  falls, k falls, and the extra copies simply stop being preferred.
+- Sessions stick: the replica of a session's last turn ranks first while under the
+  guard, even before the engine's digest reports that turn's blocks (this router's
+  memory); over the guard, the session goes where the cost model says.
+- Routers agree: two routers with the same snapshots, index content and demand give
+  the same ranking, whatever their rngs: a tie for first goes by rendezvous weight of
+  the session key or the prefix group, which every router computes alike, the rest by
+  replica id, and the replica set of a hot group is rendezvous too. Breaking ties on the
+  prefix group (not on the first block, often the chat template's header that every
+  request shares) also spreads different prefixes over equal replicas instead of
+  herding them onto one.
 - `limit >= mean >= min(load)` when factor >= 1 and slack >= 0, so at least one replica
   is always under the load guard; RoutingConfig's field bounds enforce them. (The
   KV guard can mark every replica; then all rank by cost alone, still load-aware.)
 
-Outcome label (for the router's metrics):
+Outcome label (for the router's metrics), from the blocks replicas really hold (a
+credit is not a cache hit):
 - "no_match":      no replica holds even the first block of the request.
 - "cache_hit":     the pick holds the longest match any replica has (> 0 blocks).
 - "load_fallback": some replica holds more of the prefix than the pick, and load (the
-                   guard, or queue cost outweighing the cached tokens) moved it away.
+                   guard, queue cost outweighing the cached tokens, or a hot group's
+                   deliberate spread onto a member that does not hold it yet) moved it away.
 
 Tunables (`kvtide.config.RoutingConfig`, the config's `routing:` section, declared once
 there with the bounds that keep "at least one replica is under the guard" true), defaults
@@ -53,64 +88,189 @@ and why:
   digest confirms it (used by `PrefixIndex`). Long enough to cover a queued request's
   prefill plus a few digest periods (1 s), short enough that a mistaken guess (evicted,
   aborted) stops attracting within seconds.
+- replication_key_tokens = 128: the prefix group is named by the first 128 tokens
+  (4 blocks of 32, 8 of 16). Past a chat template's header (~30-60 tokens, identical for
+  every request) and into the system prompt, so requests with different system prompts
+  fall in different groups, yet short enough that one user's question is not in the key.
+  Two prompts sharing their first 128 tokens merge into one group whose shared prefix
+  (the credit) shrinks to what they have in common: harmless, just less credit.
+- replication_fill = 0.5: one group may fill half of a replica's guard limit before it
+  gets one more replica. Replicating costs one cold prefill of the shared prefix per new
+  member (2k tokens ≈ 8 queued requests, once); not replicating costs the holder a queue
+  up to the guard and then cold prefills sprayed by the guard, each evicting another
+  prefix. Half leaves the members room for their other traffic (conversations with
+  history there, other groups) under the guard. At low load the guard's slack keeps
+  demand under it (1 request in flight never replicates).
+- replication_max_replicas = 8: a cap on deliberate copies, so an overestimated share
+  cannot pull the prefix onto the whole fleet at once; a group bigger than 8 replicas'
+  worth still overflows by load, and the replicas it lands on then hold it for real.
+- replication_half_life_s = 10.0: the traffic-share estimate forgets with this half-life:
+  ten digest periods, so a few requests' burst does not flip k, and a shift in the mix
+  is followed within ~20 s.
+- session_ttl_s = 60.0: a session sticks to its last replica for a minute after its last
+  turn: agent loops and chat replies come back well within it; after longer, the engine
+  may have evicted the history and the digests (engine truth) are the better guide.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Literal, Sequence
 
 from kvtide.config import RoutingConfig
+from kvtide.deployments.routing import rendezvous
 from kvtide.deployments.routing.block_hash import BlockHash
 from kvtide.deployments.routing.prefix_index import PrefixIndex
-from kvtide.deployments.routing.snapshot import ReplicaSnapshot
+from kvtide.deployments.routing.replication import (PrefixDemand, common_prefix_blocks, group_key, key_blocks_for,
+                                                     replica_count, replica_set)
+from kvtide.deployments.routing.sessions import SessionTable
+from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
 
 Outcome = Literal["cache_hit", "load_fallback", "no_match"]
 OUTCOMES: tuple[Outcome, ...] = ("cache_hit", "load_fallback", "no_match")
+_NOT_HOT: tuple[frozenset[str], int, int] = (frozenset(), 0, 1)
 
 
 @dataclass(frozen=True)
 class RoutingDecision:
-    """The ranking (best first) plus what the metrics need to explain it."""
+    """The ranking (best first) plus what the metrics and tests need to explain it."""
 
     ranked: list[str]
     outcome: Outcome
     matched_tokens: int  # cached prefix tokens on ranked[0] (0 if it holds none)
+    prefix_replicas: int = 1  # k: replicas the request's prefix group is spread over (1: not hot)
+    sticky: bool = False  # ranked[0] is the replica of the session's last turn
 
 
 def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshots: Sequence[ReplicaSnapshot],
-                  index: PrefixIndex, tunables: RoutingConfig, rng: random.Random, *,
-                  now_s: float) -> RoutingDecision:
-    """Rank `snapshots`' replicas for a request whose full blocks hash to `request_hashes`."""
+                  index: PrefixIndex, tunables: RoutingConfig, rng: random.Random, *, now_s: float,
+                  session_key: str | None = None, demand: PrefixDemand | None = None,
+                  sessions: SessionTable | None = None) -> RoutingDecision:
+    """Rank `snapshots`' replicas for a request whose full blocks hash to `request_hashes`.
+
+    Without `demand` there is no replication, without `sessions` no stickiness (the
+    session key still breaks ties); the inputs are only read.
+    """
     if not snapshots:
         return RoutingDecision([], "no_match", 0)
 
-    # candidates
+    # candidates, match, guard
+    ids = [s.replica_id for s in snapshots]
     loads = [s.num_queued_requests for s in snapshots]
-    limit = tunables.load_guard_factor * (sum(loads) / len(loads)) + tunables.load_guard_slack
+    total_load = sum(loads)
+    limit = tunables.load_guard_factor * (total_load / len(loads)) + tunables.load_guard_slack
     matched = index.match(request_hashes, now_s) if request_hashes else {}
+    matched_get = matched.get
+    best_blocks = max(map(matched_get, ids, repeat(0, len(ids)))) if matched else 0  # only replicas we may use
+
+    # group, replicate
+    group = group_key(request_hashes, key_blocks_for(tunables.replication_key_tokens, block_size))
+    members, credit, k = _NOT_HOT
+    if group is not None and demand is not None:
+        members, credit, k = _replica_set(group, request_hashes, ids, best_blocks, demand, total_load, limit,
+                                          tunables)
+
+    # sticky
+    sticky = sessions.last_replica(session_key, now_s) if sessions is not None and session_key is not None else None
 
     # score
     num_blocks = len(request_hashes)
     per_request = tunables.tokens_per_queued_request
     kv_guard = tunables.kv_usage_guard_perc
     keyed = []
-    for snap, load in zip(snapshots, loads):
-        blocks = matched.get(snap.replica_id, 0)
+    for snap, rid, load in zip(snapshots, ids, loads):
+        blocks = matched_get(rid, 0)
+        cached = credit if blocks < credit and rid in members else blocks
         over = load > limit or snap.kv_usage_perc >= kv_guard
-        cost = (num_blocks - blocks) * block_size + per_request * load
-        keyed.append((over, cost, rng.random(), snap.replica_id, blocks))
+        cost = (num_blocks - cached) * block_size + per_request * load
+        keyed.append((over, over or rid != sticky, cost, rid, blocks))
 
     # pick
     keyed.sort()
-    ranked = [k[3] for k in keyed]
-    best_blocks = max(k[4] for k in keyed)  # only replicas the router may use count
-    picked_blocks = keyed[0][4]
+    if len(keyed) > 1 and keyed[1][:3] == keyed[0][:3]:
+        keyed = _break_tie_for_first(keyed, session_key, group, rng)
+    first = keyed[0]
+    picked_blocks = first[4]
     if best_blocks == 0:
         outcome: Outcome = "no_match"
     elif picked_blocks == best_blocks:
         outcome = "cache_hit"
     else:
         outcome = "load_fallback"
-    return RoutingDecision(ranked, outcome, picked_blocks * block_size)
+    return RoutingDecision([k_[3] for k_ in keyed], outcome, picked_blocks * block_size, k, not first[1])
+
+
+def _break_tie_for_first(keyed: list[tuple], session_key: str | None, group: BlockHash | None,
+                         rng: random.Random) -> list[tuple]:
+    """Order the replicas tied for first place: by rendezvous weight of the session key, else of the group.
+
+    Only the first place is contested (later places are tried only when the first rejects,
+    and keep their replica-id order), so the weights are computed for a few replicas, not N.
+    """
+    end = 1
+    while end < len(keyed) and keyed[end][:3] == keyed[0][:3]:
+        end += 1
+    tied = keyed[:end]
+    tie_key = rendezvous.hash_str(session_key) if session_key is not None else group
+    if tie_key is None:
+        rng.shuffle(tied)  # no blocks, no session: nothing for routers to agree on
+    else:
+        weights = rendezvous.weights(tie_key, [k_[3] for k_ in tied])
+        tied.sort(key=lambda k_: weights[k_[3]], reverse=True)
+    return tied + keyed[end:]
+
+
+def _replica_set(group: BlockHash, request_hashes: Sequence[BlockHash], ids: list[str], best_blocks: int,
+                 demand: PrefixDemand, total_load: float, limit: float,
+                 tunables: RoutingConfig) -> tuple[frozenset[str], int, int]:
+    """(the hot group's replica set, the blocks credited on it, k), or nobody/0/1 if the group is not hot."""
+    share = demand.share(group)
+    if share == 0.0:
+        return _NOT_HOT
+    k = replica_count(share * total_load, tunables.replication_fill * limit, tunables.replication_max_replicas,
+                      len(ids))
+    if k < 2:
+        return _NOT_HOT
+    # Credit the group's shared prefix only, and no more than some replica really holds:
+    # a member is treated as a holder of what the group has in common, not of one
+    # conversation's history, nor of blocks nobody has computed yet.
+    shared = common_prefix_blocks(demand.shared_prefix(group), request_hashes)
+    return replica_set(group, ids, k), min(shared, best_blocks), k
+
+
+class RouterState:
+    """What one router remembers between decisions: the prefix index, group demand, session memory.
+
+    `rank` decides (read-only), `on_routed` books a request once it is sent, and the
+    digest/replica methods keep the view current as stats arrive. Time is a parameter.
+    """
+
+    def __init__(self, tunables: RoutingConfig, block_size: int):
+        self.tunables = tunables
+        self.block_size = block_size
+        self.key_blocks = key_blocks_for(tunables.replication_key_tokens, block_size)
+        self.index = PrefixIndex(history_ttl_s=tunables.history_ttl_s)
+        self.demand = PrefixDemand(half_life_s=tunables.replication_half_life_s)
+        self.sessions = SessionTable(ttl_s=tunables.session_ttl_s)
+
+    def rank(self, request_hashes: Sequence[BlockHash], snapshots: Sequence[ReplicaSnapshot], rng: random.Random,
+             *, now_s: float, session_key: str | None = None) -> RoutingDecision:
+        return rank_replicas(request_hashes, self.block_size, snapshots, self.index, self.tunables, rng, now_s=now_s,
+                             session_key=session_key, demand=self.demand, sessions=self.sessions)
+
+    def on_routed(self, replica_id: str, request_hashes: Sequence[BlockHash], now_s: float,
+                  session_key: str | None = None) -> None:
+        """Book a request sent to `replica_id`: routing history, its group's demand, its session."""
+        self.index.on_routed(replica_id, request_hashes, now_s)
+        self.demand.observe(group_key(request_hashes, self.key_blocks), request_hashes, now_s)
+        if session_key is not None:
+            self.sessions.remember(session_key, replica_id, now_s)
+
+    def apply_digest(self, digest: CacheDigest) -> bool:
+        return self.index.apply_digest(digest)
+
+    def remove_replica(self, replica_id: str) -> None:
+        self.index.remove_replica(replica_id)
+        self.sessions.forget_replica(replica_id)

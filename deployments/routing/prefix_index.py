@@ -137,28 +137,32 @@ class PrefixIndex:
         One walk over the request's hashes, narrowing the candidates: the holders of the
         first block start it, a replica drops out at the first block it lacks (vLLM reuses
         a prefix only up to its first miss), and the walk stops when no candidate is left.
-        O(len(hashes) × candidates), each step a set and a dict membership test.
+        O(len(hashes) × candidates) membership tests, most of them inside one C-level
+        subset test per block (below).
         """
         if not hashes:
             return {}
-        candidates = list(self.holders(hashes[0], now_s))
+        candidates = set(self.holders(hashes[0], now_s))
         matched: dict[str, int] = {}
         engine_get, routed_get = self._engine.get, self._routed.get
-        # Membership tests per surviving candidate, not holder sets per block: candidates
-        # shrink fast, while popular blocks may be held by every replica.
         for depth in range(1, len(hashes)):
             if not candidates:
                 return matched
             h = hashes[depth]
-            engine = engine_get(h) or _NO_REPLICAS
+            engine = engine_get(h)
+            # Fast path: a shared prefix the engines confirmed is held by every surviving
+            # candidate, so one C-level subset test replaces a Python loop over up to N
+            # replicas (a hot system prompt replicated on most of the fleet is the common case).
+            if engine is not None and candidates <= engine:
+                continue
             owners = routed_get(h)
-            keep = []
-            for rid in candidates:
-                if rid in engine or (owners is not None and owners.get(rid, _NEVER) > now_s):
-                    keep.append(rid)
-                else:
+            dropped = [rid for rid in candidates
+                       if (engine is None or rid not in engine)
+                       and (owners is None or owners.get(rid, _NEVER) <= now_s)]
+            if dropped:
+                for rid in dropped:
                     matched[rid] = depth
-            candidates = keep
+                candidates.difference_update(dropped)
         for rid in candidates:
             matched[rid] = len(hashes)
         return matched

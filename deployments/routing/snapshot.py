@@ -49,11 +49,13 @@ class ReplicaSnapshot:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage_perc: float = 0.0  # share of KV blocks used by running requests, 0.0..1.0
+    # Requests ahead of a new one: whichever of the two views counts more. A field computed
+    # once, not a property: the policy reads it for every replica of every decision.
+    num_queued_requests: int = field(init=False)
 
-    @property
-    def num_queued_requests(self) -> int:
-        """Requests ahead of a new one: whichever of the two views counts more."""
-        return max(self.num_ongoing_requests, self.num_running + self.num_waiting)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_queued_requests",
+                           max(self.num_ongoing_requests, self.num_running + self.num_waiting))
 
 
 @dataclass(frozen=True)

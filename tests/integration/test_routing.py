@@ -25,10 +25,28 @@ def _prefix(seed: int, num_words: int = 700) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
-def _ask(http, model: str, prefix: str, question: str) -> tuple[str, int]:
-    resp = http.post("/v1/completions", json={"model": model, "prompt": f"{prefix} {question}?", "max_tokens": 2})
+def _ask(http, model: str, prefix: str, question: str, cache_salt: str | None = None) -> tuple[str, int]:
+    body = {"model": model, "prompt": f"{prefix} {question}?", "max_tokens": 2}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    resp = http.post("/v1/completions", json=body)
     assert resp.status_code == 200, resp.text
     return resp.headers["x-kvtide-replica"], resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_salted_tenants_never_share_cached_blocks_and_each_keeps_its_affinity(http, cluster):
+    """cache_salt end to end: the same prompt under another salt (or none) is a cold prefill; each tenant hits its own cache."""
+    prefix = _prefix(3)
+    wait_for(lambda: _ask(http, cluster.model_name, prefix, "warm", cache_salt="tenant-a")[1] > 0,
+             timeout_s=30, what="tenant A's prefix to be cached")
+    # Tenant A's ~1,800 prompt tokens are cached somewhere; neither B nor an unsalted
+    # request may reuse them, wherever the router sends it.
+    assert _ask(http, cluster.model_name, prefix, "warm", cache_salt="tenant-b")[1] == 0
+    assert _ask(http, cluster.model_name, prefix, "warm")[1] == 0
+    for i in range(3):
+        for salt in ("tenant-a", "tenant-b"):
+            _, cached = _ask(http, cluster.model_name, prefix, f"q{i}", cache_salt=salt)
+            assert cached >= 1024, f"{salt} request {i} prefilled cold ({cached} cached tokens)"
 
 
 def test_groups_with_distinct_prefixes_split_and_keep_affinity(http, cluster):

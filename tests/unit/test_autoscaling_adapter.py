@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 from ray.serve._private.autoscaling_state import _resolve_policy_callable
@@ -27,6 +28,11 @@ from kvtide.autoscaling.ray_policy import (
 DEPLOYMENT = DeploymentID(name="Engine", app_name="kvtide")
 NOW_S = 1_000_000.0
 
+# kvtide sets Ray's metrics_interval_s (the push period Ray 2.60 really uses); Ray marks the
+# field deprecated and says so on every AutoscalingConfig built here. Expected, not news.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The `metrics_interval_s` field in AutoscalingConfig is deprecated:DeprecationWarning")
+
 
 def replica(i: int) -> ReplicaID:
     return ReplicaID(unique_id=f"r{i}", deployment_id=DEPLOYMENT)
@@ -37,10 +43,20 @@ def ray_config(**overrides) -> AutoscalingConfig:
     return AutoscalingConfig(**autoscaling_config(AutoscalingSettings(**overrides), 1, 8))
 
 
+def _series(points: list[tuple[float, float]] | None, now_s: float) -> list[TimeStampedValue]:
+    """(age_s, value) points as Ray's raw series."""
+    return [TimeStampedValue(timestamp=now_s - age, value=v) for age, v in (points or [])]
+
+
 def context(kv: list[float], *, target: int | None = None, waiting: float = 0.0, now_s: float = NOW_S,
             preemption_series: list[tuple[float, float]] | None = None, policy_state: dict | None = None,
-            config: AutoscalingConfig | None = None, unreported: int = 0) -> AutoscalingContext:
-    """A context as the controller builds it: one replica per kv value, plus `unreported` silent ones."""
+            config: AutoscalingConfig | None = None, unreported: int = 0,
+            kv_series: list[list[tuple[float, float]]] | None = None,
+            waiting_series: list[list[tuple[float, float]]] | None = None) -> AutoscalingContext:
+    """A context as the controller builds it: one replica per kv value, plus `unreported` silent ones.
+
+    kv_series / waiting_series: per reporting replica, its raw samples as (age_s, value).
+    """
     ids = [replica(i) for i in range(len(kv) + unreported)]
     reported = ids[: len(kv)]
     aggregated = {
@@ -49,8 +65,12 @@ def context(kv: list[float], *, target: int | None = None, waiting: float = 0.0,
         NUM_RUNNING_KEY: {r: 3.0 for r in reported},
         NUM_PREEMPTIONS_TOTAL_KEY: {r: 0.0 for r in reported},
     }
-    series = [TimeStampedValue(timestamp=now_s - age, value=v) for age, v in (preemption_series or [])]
+    series = _series(preemption_series, now_s)
     raw = {NUM_PREEMPTIONS_TOTAL_KEY: {r: series for r in reported}}
+    if kv_series is not None:
+        raw[KV_USAGE_KEY] = {r: _series(points, now_s) for r, points in zip(reported, kv_series)}
+    if waiting_series is not None:
+        raw[NUM_WAITING_KEY] = {r: _series(points, now_s) for r, points in zip(reported, waiting_series)}
     return AutoscalingContext(
         deployment_id=DEPLOYMENT, deployment_name=DEPLOYMENT.name, app_name=DEPLOYMENT.app_name,
         current_num_replicas=len(ids), target_num_replicas=len(ids) if target is None else target,
@@ -98,7 +118,11 @@ def test_policy_state_round_trips_between_ticks():
     desired, state = policy(context([0.95, 0.95], now_s=NOW_S + 10, policy_state=state))
     assert desired == 2 and state[POLICY_STATE_KEY]["pressure_since_s"] == NOW_S
     desired, state = policy(context([0.95, 0.95], now_s=NOW_S + 30, policy_state=state))
-    assert desired == 3 and state[POLICY_STATE_KEY] == LawState().to_dict()
+    # After the action the timers are cleared; the state keeps the scale-up time for the
+    # scale-down cooldown (and the trend samples), so it is no longer all-empty (issue #13).
+    law_state = LawState.from_dict(state[POLICY_STATE_KEY])
+    assert desired == 3 and (law_state.pressure_since_s, law_state.fast_since_s) == (None, None)
+    assert law_state.last_scale_up_s == NOW_S + 30
 
 
 def test_ray_wrapper_passes_the_decision_through_and_keeps_state():
@@ -107,7 +131,8 @@ def test_ray_wrapper_passes_the_decision_through_and_keeps_state():
     wrapped = _apply_autoscaling_config(policy_from_ray(config))
     state = {POLICY_STATE_KEY: LawState(pressure_since_s=NOW_S - 30).to_dict()}
     desired, new_state = wrapped(context([0.95, 0.95], policy_state=state, config=config))
-    assert desired == 3 and new_state[POLICY_STATE_KEY] == LawState().to_dict()
+    assert desired == 3 and LawState.from_dict(new_state[POLICY_STATE_KEY]).pressure_since_s is None
+    assert new_state[POLICY_STATE_KEY]["last_scale_up_s"] == NOW_S
     # Holding: Ray adds its delay keys, the law's timer survives next to them.
     desired, new_state = wrapped(context([0.95, 0.95], now_s=NOW_S + 1, policy_state=new_state, config=config))
     assert desired == 2 and new_state[POLICY_STATE_KEY]["pressure_since_s"] == NOW_S + 1
@@ -158,3 +183,42 @@ def test_policy_logs_one_line_per_change(caplog):
     levels = [r.levelno for r in caplog.records if r.name == "ray.serve.kvtide.autoscaler"]
     assert levels == [logging.INFO, logging.DEBUG]
     assert all("\n" not in r.getMessage() and "reason=hold" in r.getMessage() for r in caplog.records)
+
+
+def test_context_translation_reads_the_newest_raw_samples():
+    """Fast-path inputs: each replica's newest raw KV / waiting sample, the newest KV time, recent preemptions."""
+    ctx = context([0.5, 0.6], kv_series=[[(6.0, 0.4), (2.0, 0.55)], [(5.0, 0.5), (3.0, 0.7)]],
+                  waiting_series=[[(2.0, 4.0)], [(3.0, 1.0)]],
+                  preemption_series=[(20.0, 1.0), (8.0, 3.0), (1.0, 6.0)])
+    law = law_context(ctx, look_back_s=30.0, recent_s=10.0)
+    assert [s.kv_usage_now_perc for s in law.replicas] == [0.55, 0.7]
+    assert [s.kv_usage_perc for s in law.replicas] == [0.5, 0.6]      # the slow path keeps the window means
+    assert [s.num_waiting_now for s in law.replicas] == [4.0, 1.0]
+    assert law.sampled_at_s == NOW_S - 2.0
+    assert [(s.num_preemptions, s.num_preemptions_recent) for s in law.replicas] == [(5.0, 3.0)] * 2
+
+
+def test_context_without_raw_samples_leaves_the_window_means_standing_in():
+    """No raw KV series: no latest sample and no sample time, so the law falls back to the means and now_s."""
+    law = law_context(context([0.5]), look_back_s=30.0, recent_s=10.0)
+    assert (law.replicas[0].kv_usage_now_perc, law.replicas[0].num_waiting_now, law.sampled_at_s) == (None, None, None)
+
+
+def test_kv_climb_scales_up_within_seconds_through_ray():
+    """Through Ray's wrapper (0.5 s ticks, 2 s pushes) a KV climb adds a replica <= 5 s after crossing upper."""
+    config = ray_config()
+    wrapped = _apply_autoscaling_config(policy_from_ray(config))
+    step_s = NOW_S + 20.0
+    kv_at = lambda t: min(0.3 + 0.17 * max(t - step_s, 0.0), 0.98)  # noqa: E731  0.3 -> 0.98 in 4 s
+    crossed_s = step_s + (0.85 - 0.3) / 0.17
+    state: dict = {}
+    for i in range(80):  # 40 s of ticks
+        now_s = NOW_S + 0.5 * i
+        pushed = [now_s - (now_s % 2.0) - 2.0 * k for k in range(15)]  # samples every 2 s, newest first
+        points = [(now_s - t, kv_at(t)) for t in reversed(pushed)]
+        desired, state = wrapped(context([0.3, 0.3], now_s=now_s, policy_state=state, config=config,
+                                         kv_series=[points, points]))
+        if desired > 2:
+            break
+    # The worst phase: a push lands just as the climb starts, so 6 s after it, 2.8 s after the crossing.
+    assert desired == 3 and 0.0 <= now_s - crossed_s <= 5.0, now_s - crossed_s

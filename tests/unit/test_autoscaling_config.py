@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 from pydantic import ValidationError
@@ -11,6 +12,11 @@ from ray.serve.config import AutoscalingConfig
 from kvtide.config import AutoscalingSettings, WarmStartSettings
 from kvtide.autoscaling.ray_policy import KV_POLICY_PATH, autoscaling_config
 from kvtide.autoscaling.replica_stats import METRIC_KEYS, replica_autoscaling_stats
+
+# kvtide sets Ray's metrics_interval_s (the push period Ray 2.60 really uses); Ray marks the
+# field deprecated and says so on every AutoscalingConfig built here. Expected, not news.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The `metrics_interval_s` field in AutoscalingConfig is deprecated:DeprecationWarning")
 
 
 def test_defaults_are_the_kv_law_with_warm_start():
@@ -66,6 +72,52 @@ def test_kv_autoscaling_config_is_valid_for_ray():
     assert config.policy.policy_function == KV_POLICY_PATH
     assert config.policy.policy_kwargs["upscale_delay_s"] == 45.0
     assert (config.upscale_delay_s, config.downscale_delay_s, config.look_back_period_s) == (0.0, 0.0, 20.0)
+    assert config.metrics_interval_s == settings.metrics_push_interval_s == 2.0
+
+
+@pytest.mark.parametrize("policy", ["kv", "queue_length"])
+@pytest.mark.parametrize("look_back_s, push_s", [(30.0, 2.0), (4.0, 2.0), (2.0, 1.0), (30.0, 10.0)])
+def test_short_look_back_raises_no_ray_warning(policy, look_back_s, push_s):
+    """Ray warns (later: raises) when look_back_period_s <= metrics_interval_s; kvtide's configs never trigger it.
+
+    (4, 2) is benchmarks/autoscale.py's window, (2, 1) the integration tests'. Before the
+    fix the option left metrics_interval_s at Ray's 10 s, so any window <= 10 s warned.
+    """
+    settings = AutoscalingSettings(policy=policy, look_back_s=look_back_s, metrics_push_interval_s=push_s,
+                                   upscale_delay_s=30.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        config = AutoscalingConfig(**autoscaling_config(settings, 1, 2))
+    assert (config.look_back_period_s, config.metrics_interval_s) == (look_back_s, push_s)
+
+
+@pytest.mark.parametrize("look_back_s, push_s", [(2.0, 2.0), (1.0, 2.0)])
+def test_look_back_must_exceed_the_push_interval(look_back_s, push_s):
+    """look_back_s <= metrics_push_interval_s is refused, naming both fields and the fix."""
+    with pytest.raises(ValidationError) as info:
+        AutoscalingSettings(look_back_s=look_back_s, metrics_push_interval_s=push_s)
+    for word in (f"autoscaling.look_back_s={look_back_s}", f"metrics_push_interval_s={push_s}", "raise look_back_s"):
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"fast_upscale_delay_s": -1}, "fast_upscale_delay_s"),
+    ({"trend_window_s": 0}, "trend_window_s"),
+    ({"trend_horizon_s": 500}, "trend_horizon_s"),
+    ({"scale_down_cooldown_s": -5}, "scale_down_cooldown_s"),
+])
+def test_fast_path_tunables_are_bounded(data, field):
+    """The fast path's tunables refuse out-of-range values, naming the field."""
+    with pytest.raises(ValidationError, match=field):
+        AutoscalingSettings.model_validate(data)
+
+
+def test_fast_path_defaults():
+    """Defaults: fast path on, 2 s hold, 10 s trend window projected 4 s ahead, 60 s scale-down cooldown."""
+    settings = AutoscalingSettings()
+    assert settings.fast_upscale is True
+    assert (settings.fast_upscale_delay_s, settings.trend_window_s, settings.trend_horizon_s,
+            settings.scale_down_cooldown_s) == (2.0, 10.0, 4.0, 60.0)
 
 
 def test_queue_length_autoscaling_config_is_rays_default():

@@ -82,3 +82,16 @@ def test_block_size_must_be_positive():
     """A zero block size is rejected, not looped on."""
     with pytest.raises(ValueError, match="block_size"):
         block_hashes(TOKENS, 0)
+
+
+def test_salted_chains_differ_at_every_block_and_continue_like_unsalted_ones():
+    """Two salts (and no salt) never share a block hash; a salted chain still continues from any parent."""
+    from kvtide.deployments.routing.block_hash import salt_root
+
+    tokens = list(range(64))
+    chains = [block_hashes(tokens, 16, parent=salt_root(s)) for s in (None, "a", "b")]
+    for i in range(4):
+        assert len({chain[i] for chain in chains}) == 3
+    assert salt_root(None) is None and salt_root("") is None
+    salted = chains[1]
+    assert block_hashes(tokens[32:], 16, parent=salted[1]) == salted[2:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any, AsyncIterator
 
 import pytest
@@ -141,6 +142,8 @@ def test_chat_stream_is_role_content_finish_usage_done():
     ({"model": "other", "prompt": "x"}, 404, "model_not_found"),
     ({"model": "m", "prompt": "x" * 70}, 400, "context_length_exceeded"),
     ({"model": "m", "prompt": "x", "max_tokens": "8"}, 400, None),
+    ({"model": "m", "prompt": "x", "cache_salt": ""}, 400, None),
+    ({"model": "m", "prompt": "x", "cache_salt": 7}, 400, None),
 ])
 def test_client_mistakes_are_4xx_with_openai_bodies(body, status, code):
     """Unknown model, prompt over the context and a mistyped field answer 4xx with an OpenAI error body."""
@@ -242,3 +245,64 @@ def test_routed_tokens_header_is_used_only_where_trusted(trusted, expected_promp
                        headers={ROUTED_TOKENS_HEADER: encode_token_ids([7, 8, 9])})
     assert resp.status_code == 200, resp.text
     assert seen == [expected_prompt_tokens]
+
+
+def test_a_salted_request_carries_its_salt_and_salted_hashes_and_is_never_a_hot_prefix():
+    """cache_salt reaches the engine, the routing hashes start at its root, and the hot-prefix tracker never sees it."""
+    from kvtide.deployments.hot_prefixes import HotPrefixTracker
+    from kvtide.deployments.routing.block_hash import block_hashes, salt_root
+
+    seen: list[GenerateRequest] = []
+
+    async def generate(request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        seen.append(request)
+        for delta in _deltas(1):
+            yield delta
+
+    class RoutingEngine(LocalEngineClient):
+        routes_requests = True
+
+    tracker = HotPrefixTracker(CONFIG.engine.block_size)
+    frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
+                              RoutingEngine(generate, admission_limits(CONFIG)), FakeMetrics(), tracker)
+
+    async def ready() -> bool:
+        return True
+
+    client = TestClient(build_openai_app(frontend, ApiKeys([]), ready))
+    prompt = "y" * 40  # 41 tokens: two full blocks of 16
+    for salt in ("tenant-a", None):
+        body = {"model": "m", "prompt": prompt, "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
+        assert client.post("/v1/completions", json=body).status_code == 200
+    salted, plain = seen
+    tokens = [1] + [ord("y")] * 40
+    assert salted.cache_salt == "tenant-a" and plain.cache_salt is None
+    assert salted.block_hashes == tuple(block_hashes(tokens, 16, parent=salt_root("tenant-a")))
+    assert plain.block_hashes == tuple(block_hashes(tokens, 16))
+    assert [prefix for prefix, _ in tracker.hottest(time.monotonic(), min_hits=0.0)] == [tokens[:32]]
+
+
+@pytest.mark.parametrize(("headers", "user", "expected"), [
+    ({"x-session-id": "conv-1"}, "alice", "conv-1"),  # the session header wins
+    ({}, "alice", "alice"),                           # else the OpenAI `user` field
+    ({}, None, None),                                  # else no session
+])
+def test_the_session_key_reaches_the_router(headers, user, expected):
+    """Multi-turn affinity: the x-session-id header, else `user`, travels with the request to the router."""
+    seen: list[GenerateRequest] = []
+
+    async def generate(request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        seen.append(request)
+        for delta in _deltas(1):
+            yield delta
+
+    frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
+                              LocalEngineClient(generate, admission_limits(CONFIG)), FakeMetrics(), None)
+
+    async def ready() -> bool:
+        return True
+
+    client = TestClient(build_openai_app(frontend, ApiKeys([]), ready))
+    body = {"model": "m", "prompt": "abc", "max_tokens": 1, **({"user": user} if user else {})}
+    assert client.post("/v1/completions", json=body, headers=headers).status_code == 200
+    assert seen[0].session_key == expected

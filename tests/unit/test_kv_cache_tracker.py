@@ -79,3 +79,32 @@ def test_digests_are_sequenced_within_an_epoch():
     t = _tracker()
     a, b = t.digest(0.0), t.digest(1.0)
     assert (a.epoch, a.sequence) == (7, 1) and b.is_newer_than(a.epoch, a.sequence)
+
+
+def _vllm_stored(hashes, parent, tokens, extra_keys=None, lora_name=None):
+    from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+
+    return VllmBlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS,
+                           lora_id=None, medium="GPU", lora_name=lora_name, extra_keys=extra_keys)
+
+
+def test_a_salted_prompt_gets_the_routers_salted_chain():
+    """vLLM's event names the cache salt in the first block's extra keys; the chain starts at that salt's root."""
+    from kvtide.deployments.routing.block_hash import salt_root
+
+    tokens = list(range(100, 112))
+    t = _tracker()
+    t.apply(_vllm_stored(["v1", "v2"], None, tokens[:8], extra_keys=[("tenant-a",), None]))
+    t.apply(_vllm_stored(["v3"], "v2", tokens[8:12], extra_keys=[None]))
+    held = t.digest(0.0).hashes()
+    assert held == frozenset(block_hashes(tokens, BS, parent=salt_root("tenant-a")))
+    assert held.isdisjoint(block_hashes(tokens, BS)) and held.isdisjoint(
+        block_hashes(tokens, BS, parent=salt_root("tenant-b")))
+
+
+def test_the_lora_name_is_not_taken_for_a_salt():
+    """Extra keys that hold only the LoRA name leave the chain unsalted."""
+    tokens = list(range(4))
+    t = _tracker()
+    t.apply(_vllm_stored(["v1"], None, tokens, extra_keys=[("my-lora",)], lora_name="my-lora"))
+    assert t.digest(0.0).hashes() == frozenset(block_hashes(tokens, BS))

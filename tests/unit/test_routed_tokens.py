@@ -65,7 +65,7 @@ def test_routed_tokens_give_the_same_prompt_without_tokenizing(endpoint, body):
     builder = PromptBuilder(CONFIG, tokenizer)
     tokenized = builder.build(endpoint, body)
     calls = tokenizer.calls
-    peer_tokens = builder.routing_tokens(json.dumps(body).encode())
+    peer_tokens = builder.routing_prompt(json.dumps(body).encode()).token_ids
     tokenizer.calls = calls
     routed = builder.build(endpoint, body, routed_tokens=decode_token_ids(encode_token_ids(peer_tokens)))
     assert routed == tokenized and tokenizer.calls == calls

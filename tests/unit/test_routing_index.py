@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import random
 
 import pytest
 
@@ -143,3 +144,39 @@ def test_ttl_must_be_positive():
     """A zero TTL is rejected: routing history would never count."""
     with pytest.raises(ValueError, match="history_ttl_s"):
         PrefixIndex(history_ttl_s=0)
+
+
+def _naive_match(held_engine: dict[str, set], routed: dict[str, dict], hashes, now_s: float) -> dict[str, int]:
+    """Reference: per replica, count leading blocks it holds (engine truth or unexpired routing)."""
+    out = {}
+    for rid in set(held_engine) | set(routed):
+        depth = 0
+        for h in hashes:
+            if h in held_engine.get(rid, ()) or routed.get(rid, {}).get(h, float("-inf")) > now_s:
+                depth += 1
+            else:
+                break
+        if depth:
+            out[rid] = depth
+    return out
+
+
+def test_match_equals_a_naive_walk_on_random_indexes():
+    """The set-based walk (with its subset fast path) gives exactly the per-replica first-miss depth."""
+    rng = random.Random(4)
+    long_prompt = block_hashes(list(range(24 * BS)), BS)  # 24 blocks
+    for trial in range(200):
+        index = PrefixIndex(history_ttl_s=TTL_S)
+        engine: dict[str, set] = {}
+        routed: dict[str, dict] = {}
+        for rid in ("a", "b", "c", "d"):
+            held = {h for h in long_prompt[: rng.randrange(25)] if rng.random() > 0.05}  # prefixes with holes
+            engine[rid] = held
+            index.apply_digest(digest(rid, held, trial + 1))
+            if rng.random() < 0.5:
+                routed_at = rng.uniform(0.0, 2 * TTL_S)
+                blocks = long_prompt[: rng.randrange(25)]
+                index.on_routed(rid, blocks, routed_at)
+                routed[rid] = {h: routed_at + TTL_S for h in blocks}
+        now_s = 2 * TTL_S
+        assert index.match(long_prompt, now_s) == _naive_match(engine, routed, long_prompt, now_s), trial

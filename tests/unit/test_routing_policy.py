@@ -1,4 +1,4 @@
-"""prefix_aware policy: affinity by estimated cost, bounded by a load guard, random ties."""
+"""prefix_aware policy: affinity by estimated cost, bounded by a load guard, deterministic ties."""
 
 from __future__ import annotations
 
@@ -98,12 +98,24 @@ def test_routing_history_attracts_then_decays():
     assert (d.ranked[0], d.outcome) == ("a", "no_match")
 
 
-def test_ties_are_random_and_both_chosen():
-    """Equal replicas are picked at random by the injected rng: over many draws each wins often."""
+def test_ties_without_blocks_or_session_are_random_and_both_chosen():
+    """Equal replicas, for a request with no full block and no session, are picked by the injected rng."""
+    # Was test_ties_are_random_and_both_chosen with PROMPT: a request with blocks now breaks
+    # ties by rendezvous hashing (routers agree), so the rng is left to block-less requests.
     rng = random.Random(7)
     index = index_with()
-    wins = Counter(rank_replicas(PROMPT, BS, snaps(a=2, b=2), index, TUNE, rng, now_s=0.0).ranked[0]
+    wins = Counter(rank_replicas([], BS, snaps(a=2, b=2), index, TUNE, rng, now_s=0.0).ranked[0]
                    for _ in range(400))
+    assert set(wins) == {"a", "b"} and min(wins.values()) > 150
+
+
+def test_ties_with_blocks_ignore_the_rng_and_spread_over_prefixes():
+    """A prefix's tie goes to the same replica whatever the rng; different prefixes spread over equal replicas."""
+    index = index_with()
+    for seed in range(5):
+        assert decide(snaps(a=2, b=2), index, seed=seed).ranked == decide(snaps(a=2, b=2), index, seed=0).ranked
+    prompts = [block_hashes([p] * (4 * BS), BS) for p in range(400)]
+    wins = Counter(decide(snaps(a=2, b=2), index, hashes=h).ranked[0] for h in prompts)
     assert set(wins) == {"a", "b"} and min(wins.values()) > 150
 
 
@@ -133,6 +145,8 @@ def test_short_prompt_without_full_block_is_least_loaded():
 @pytest.mark.parametrize("field, value", [
     ("load_guard_factor", 0.9), ("load_guard_slack", -1.0), ("tokens_per_queued_request", -1.0),
     ("kv_usage_guard_perc", 0.0), ("history_ttl_s", 0.0),
+    ("replication_key_tokens", 0), ("replication_fill", 0.0), ("replication_fill", 1.5),
+    ("replication_max_replicas", 0), ("replication_half_life_s", 0.0), ("session_ttl_s", 0.0),
 ])
 def test_tunables_reject_values_that_break_the_guard(field, value):
     """Tunables that could leave no replica under the guard (or make no sense) are rejected by name."""

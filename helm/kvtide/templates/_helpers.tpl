@@ -217,6 +217,8 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
 {{- end }}
 - name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
   value: "2"
+- name: RAY_worker_niceness
+  value: "0"
 {{- if .Values.hfToken.secretName }}
 - name: HF_TOKEN
   valueFrom:

@@ -1,0 +1,84 @@
+"""The router's per-replica view, updated when routing stats arrive and read at decision time.
+
+Ray Serve pushes each replica's `record_routing_stats()` payload to the router with the
+replica list (`RequestRouter.update_replicas`, about once per stats period). Everything
+that payload implies is applied here, then, off the request path:
+
+    sync(stats by replica)      digest → RouterState (decode ~5 ms per 100k blocks, once per report)
+                                load numbers → cached per replica
+                                a new report → this router's pick-only count restarts at 0
+                                replicas no longer listed → forgotten (index, sessions)
+    snapshots(in-flight counts) per decision: one ReplicaSnapshot per candidate, reused
+                                while the replica's numbers are unchanged
+
+so a decision only reads an index that is already current. No Ray import: the adapter
+hands plain dicts and ids in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from kvtide.deployments.routing.policy import RouterState
+from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
+
+
+def rekey(digest: CacheDigest, replica_id: str) -> CacheDigest:
+    """Digests are keyed by the router's replica id (the engine may name itself differently)."""
+    if digest.replica_id == replica_id:
+        return digest
+    return CacheDigest(replica_id, digest.epoch, digest.sequence, digest.blocks, digest.all_cleared,
+                       digest.timestamp_s)
+
+
+class FleetView:
+    """Engine-reported load, digests applied to the state, and pick-only counts, per replica."""
+
+    def __init__(self, state: RouterState):
+        self.state = state
+        self._reported: dict[str, tuple[int, int, float]] = {}  # replica → (running, waiting, kv usage)
+        self._reported_s: dict[str, Any] = {}  # replica → the `reported_s` stamp of its last stats
+        self._picks: dict[str, int] = {}  # pick-only choices since that report
+        self._snapshots: dict[str, ReplicaSnapshot] = {}
+
+    def sync(self, stats_by_replica: Mapping[str, Mapping[str, Any]]) -> None:
+        """Apply the latest routing stats of every live replica; forget the replicas not listed."""
+        for rid, stats in stats_by_replica.items():
+            digest = stats.get("digest")
+            if isinstance(digest, CacheDigest):
+                self.state.apply_digest(rekey(digest, rid))  # ignored unless newer than the last applied
+            reported_s = stats.get("reported_s")
+            if reported_s != self._reported_s.get(rid):
+                # The engine's numbers now include the picks made before this report.
+                self._reported_s[rid] = reported_s
+                self._picks[rid] = 0
+            reported = (int(stats.get("num_running", 0)), int(stats.get("num_waiting", 0)),
+                        float(stats.get("kv_usage_perc", 0.0)))
+            if reported != self._reported.get(rid):
+                self._reported[rid] = reported
+                self._snapshots.pop(rid, None)
+        for gone in set(self._reported) - set(stats_by_replica):
+            self.forget(gone)
+
+    def forget(self, replica_id: str) -> None:
+        """A replica stopped or died: drop it from the state and from every per-replica table."""
+        self.state.remove_replica(replica_id)
+        for table in (self._reported, self._reported_s, self._picks, self._snapshots):
+            table.pop(replica_id, None)
+
+    def book_pick(self, replica_id: str) -> None:
+        """A pick-only choice (no request sent through Ray): count it as load until the next report."""
+        self._picks[replica_id] = self._picks.get(replica_id, 0) + 1
+
+    def snapshots(self, in_flight: Iterable[tuple[str, int | None]]) -> list[ReplicaSnapshot]:
+        """One snapshot per (replica id, this router's in-flight count or None), in that order."""
+        out = []
+        cache, picks = self._snapshots, self._picks
+        for rid, ongoing in in_flight:
+            ongoing = max(ongoing or 0, picks.get(rid, 0))
+            snap = cache.get(rid)
+            if snap is None or snap.num_ongoing_requests != ongoing:
+                running, waiting, kv_usage = self._reported.get(rid, (0, 0, 0.0))
+                snap = cache[rid] = ReplicaSnapshot(rid, ongoing, running, waiting, kv_usage)
+            out.append(snap)
+        return out

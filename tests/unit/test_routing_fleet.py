@@ -1,0 +1,89 @@
+"""FleetView: routing stats applied when they arrive (digests, load, pick counts), snapshots read at decision time."""
+
+from __future__ import annotations
+
+from kvtide.config import RoutingConfig
+from kvtide.deployments.routing.block_hash import block_hashes
+from kvtide.deployments.routing.fleet import FleetView, rekey
+from kvtide.deployments.routing.policy import RouterState
+from kvtide.deployments.routing.snapshot import CacheDigest
+
+BS = 4
+PROMPT = block_hashes(list(range(32)), BS)  # 8 blocks
+
+
+def fleet() -> FleetView:
+    return FleetView(RouterState(RoutingConfig(), BS))
+
+
+def stats(seq: int, hashes=PROMPT, engine_id: str = "engine-a", **load) -> dict:
+    return {"digest": CacheDigest.from_hashes(engine_id, 1, seq, hashes), "reported_s": float(seq), **load}
+
+
+def test_sync_applies_digests_under_the_routers_replica_id():
+    """A digest named by the engine is applied under the id the router knows the replica by."""
+    view = fleet()
+    view.sync({"a": stats(1)})
+    assert view.state.index.match(PROMPT, 0.0) == {"a": 8}
+
+
+def test_sync_replaces_with_newer_digests_and_ignores_replays():
+    """The next report replaces the replica's blocks; the same report delivered again changes nothing."""
+    view = fleet()
+    view.sync({"a": stats(1)})
+    view.sync({"a": stats(2, PROMPT[:3])})
+    view.sync({"a": stats(1)})  # a late copy of an older report
+    assert view.state.index.match(PROMPT, 0.0) == {"a": 3}
+
+
+def test_snapshots_carry_the_reported_load():
+    """Engine-reported running/waiting/KV usage reach the decision's snapshots without re-parsing stats."""
+    view = fleet()
+    view.sync({"a": stats(1, num_running=3, num_waiting=2, kv_usage_perc=0.5), "b": {}})
+    a, b = view.snapshots([("a", 1), ("b", None)])
+    assert (a.num_running, a.num_waiting, a.kv_usage_perc, a.num_queued_requests) == (3, 2, 0.5, 5)
+    assert (b.replica_id, b.num_queued_requests) == ("b", 0)
+
+
+def test_pick_only_choices_count_as_load_until_the_next_report():
+    """Picks this router made count as in-flight until the engine's next report (which includes them)."""
+    view = fleet()
+    view.sync({"a": stats(1)})
+    view.book_pick("a")
+    view.book_pick("a")
+    assert view.snapshots([("a", None)])[0].num_ongoing_requests == 2
+    assert view.snapshots([("a", 5)])[0].num_ongoing_requests == 5  # Ray's own count when it is larger
+    view.sync({"a": stats(1)})  # the same report again: still counted
+    assert view.snapshots([("a", None)])[0].num_ongoing_requests == 2
+    view.sync({"a": stats(2)})
+    assert view.snapshots([("a", None)])[0].num_ongoing_requests == 0
+
+
+def test_replicas_no_longer_listed_are_forgotten():
+    """A replica missing from the next list leaves the index, the session memory and the load tables."""
+    view = fleet()
+    view.sync({"a": stats(1), "b": stats(1, engine_id="engine-b")})
+    view.state.on_routed("a", PROMPT, 0.0, session_key="chat")
+    view.sync({"b": stats(2, engine_id="engine-b")})
+    assert view.state.index.match(PROMPT, 0.0) == {"b": 8}
+    assert view.state.sessions.last_replica("chat", 0.0) is None
+
+
+def test_snapshots_are_reused_while_unchanged():
+    """The same snapshot object comes back while the replica's numbers stay the same (no per-decision rebuild)."""
+    view = fleet()
+    view.sync({"a": stats(1, num_running=1)})
+    first = view.snapshots([("a", 2)])[0]
+    assert view.snapshots([("a", 2)])[0] is first
+    assert view.snapshots([("a", 3)])[0] is not first
+    view.sync({"a": stats(2, num_running=4)})
+    assert view.snapshots([("a", 3)])[0].num_running == 4
+
+
+def test_rekey_keeps_everything_but_the_id():
+    """rekey renames a digest and leaves its epoch, sequence, blocks and flags alone."""
+    digest = CacheDigest.from_hashes("engine-a", 3, 7, PROMPT, all_cleared=True, timestamp_s=1.5)
+    renamed = rekey(digest, "a")
+    assert (renamed.replica_id, renamed.epoch, renamed.sequence, renamed.blocks, renamed.all_cleared,
+            renamed.timestamp_s) == ("a", 3, 7, digest.blocks, True, 1.5)
+    assert rekey(renamed, "a") is renamed
