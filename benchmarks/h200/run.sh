@@ -5,6 +5,7 @@
 # JSON and one tarball of logs.
 #   bash benchmarks/h200/run.sh placement      N TP=1 replicas on N GPUs; 4 replicas on 2 GPUs (x2 kind)
 #   bash benchmarks/h200/run.sh overhead-demo  kvtide direct / ingress vs bare vLLM, demo model, one GPU
+#                                              (SERVERS, CONCURRENCY, NUM_REQUESTS, DURATION narrow it)
 #   bash benchmarks/h200/run.sh overhead-8b    the same with a Llama-3.1-8B-shaped model built on the device
 set -uo pipefail
 export VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -51,7 +52,8 @@ placement)
   ;;
 overhead-demo)
   python3 -m kvtide.benchmarks.overhead --config "$REPO/cluster/configs/gpu-demo.yaml" \
-      --servers kvtide,kvtide-ingress,vllm --concurrency 1,16,64 --num-requests "${NUM_REQUESTS:-200}" \
+      --servers "${SERVERS:-kvtide,kvtide-ingress,vllm}" --concurrency "${CONCURRENCY:-1,16,64}" \
+      --num-requests "${NUM_REQUESTS:-200}" \
       --duration "${DURATION:-60}" --input-len 512 --output-len 128 --hardware "NVIDIA H200 (one GPU), demo model" \
       --no-progress --out-dir "$W/overhead-demo" > "$W/overhead-demo.log" 2>&1
   cp "$W/overhead-demo/report.md" "$OUT/overhead-demo.md"; cp "$W/overhead-demo/results.json" "$OUT/overhead-demo.json"

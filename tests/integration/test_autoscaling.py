@@ -32,7 +32,8 @@ def test_kv_pressure_scales_up_warm_and_back_down(cluster, cluster_config):
         "replicas.max_replicas=2", "engine.max_model_len=2048",
         # 12 MiB of KV: ~4k tokens, so three long requests fill one replica.
         "engine.kv_cache_memory_bytes=12582912",
-        "autoscaling.look_back_s=2", "autoscaling.upscale_delay_s=2", "autoscaling.downscale_delay_s=8",
+        "autoscaling.metrics_push_interval_s=1", "autoscaling.look_back_s=2", "autoscaling.upscale_delay_s=2",
+        "autoscaling.downscale_delay_s=8", "autoscaling.scale_down_cooldown_s=10",
         "autoscaling.target_kv_perc=0.35", "autoscaling.upper_kv_perc=0.5", "autoscaling.lower_kv_perc=0.15",
         "autoscaling.max_step=1", "autoscaling.warm_start.token_budget=4096",
     ])
