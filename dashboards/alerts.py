@@ -17,6 +17,11 @@ kvtide's control law clamps to its bounds before Serve sees its answer (Serve's 
 `desired_replicas` equals the target). The law reports a clamp as a `reason="bounds"`
 decision; clamped while the autoscaler still sees pressure (KV use high or requests
 waiting) means pinned at max_replicas: clamping at min_replicas happens only on slack.
+
+Index trust: the router's view of each replica's cache is only as fresh as the digests it
+holds (`ray_kvtide_router_digest_age_seconds`: healthy is under one stats period plus the
+push delay), and only as good as its predictions turn out (`ray_kvtide_router_predictions_total`:
+precision is the share of predicted hits the engine confirmed).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from kvtide.config import RoutingConfig
 from kvtide.dashboards.catalog import ENGINE_DEPLOYMENT, REPO_ROOT
 from kvtide.dashboards.promql import Selectors, quantile, rate_sum
 
@@ -46,6 +52,18 @@ class Slo:
     max_preemptions_per_s: float = 0.1
     autoscaler_pressure_kv_perc: float = 0.85
     router_fallback_ratio: float = 0.5
+    # A digest arrives every routing.stats_period_s (1 s by default) plus Ray's push delay; three
+    # periods missed in a row is no jitter: the engine stopped reporting or Ray stopped pushing,
+    # and the router routes on a stale view. A rule file is static, so this follows the default
+    # period; a cluster that sets another one should scale it (Slo(digest_stale_s=...)).
+    digest_stale_s: float = 3 * RoutingConfig().stats_period_s
+    # Under half of the predicted hits confirmed: cache affinity is pulling requests to replicas
+    # that prefill them anyway (evictions the digests miss, hashing that disagrees with vLLM's).
+    min_index_precision: float = 0.5
+    # ... judged only over at least this many predicted hits in the 10-minute window (one per
+    # 12 s): below it one burst of concurrent requests on a new prefix (all predicted before the
+    # first finished its prefill, so all false hits) would decide the ratio alone.
+    min_predicted_hits: int = 50
 
 
 @dataclass(frozen=True)
@@ -91,6 +109,8 @@ def all_rules(sel: Selectors, slo: Slo = Slo()) -> list[AlertRule]:
     total = rate_sum(sel, requests, "5m", by="model")
     by_replica = "model_name, ReplicaId"
     auto_by = "application, deployment"
+    predictions = "ray_kvtide_router_predictions_total"
+    predicted_hits = rate_sum(sel, predictions, "10m", by="model", outcome="true_hit|false_hit")
     return [
         AlertRule(
             "KvtideNoReadyReplicas", "kvtide.availability",
@@ -179,6 +199,36 @@ def all_rules(sel: Selectors, slo: Slo = Slo()) -> list[AlertRule]:
                         "cache affinity because the preferred replica was overloaded.",
             runbook="Replicas with the cached prefixes are saturated: add replicas or review the router's "
                     "load guard.",
+        ),
+        AlertRule(
+            "KvtideRouterDigestStale", "kvtide.routing",
+            # max over routers: one router routing on a stale view is enough to mislead its traffic.
+            signal=f"max by (replica) ({sel('ray_kvtide_router_digest_age_seconds')})",
+            condition=f"{{signal}} > {slo.digest_stale_s:g}",
+            for_="1m", severity="warning",
+            summary="A kvtide router's cache view of an engine replica is stale",
+            description="The newest cache digest a router holds for replica {{ $labels.replica }} is "
+                        "{{ $value | humanizeDuration }} old (expected under "
+                        f"{slo.digest_stale_s:g} s): prefix-aware routing decides on an outdated view of its cache.",
+            runbook="Check the replica's health and record_routing_stats errors "
+                    "(ray_serve_routing_stats_error_total), the Serve controller's load, and the hosts' clock sync.",
+            needs="routing.policy prefix_aware with engine prefix caching on",
+        ),
+        AlertRule(
+            "KvtideRouterIndexPrecisionLow", "kvtide.routing",
+            signal=(f"({rate_sum(sel, predictions, '10m', by='model', outcome='true_hit')} or {predicted_hits} * 0)"
+                    f" / {predicted_hits}"),
+            condition=(f"({{signal}}) < {slo.min_index_precision} and on (model) "
+                       f"(sum by (model) (increase({sel(predictions, outcome='true_hit|false_hit')}[10m])) "
+                       f">= {slo.min_predicted_hits})"),
+            for_="5m", severity="warning",
+            summary="Most of the router's predicted cache hits are not hits in the engine",
+            description="Only {{ $value | humanizePercentage }} of the cache hits the router predicted for model "
+                        "{{ $labels.model }} over 10 minutes were confirmed by the engine "
+                        f"(threshold {slo.min_index_precision:.0%}, at least {slo.min_predicted_hits} predictions).",
+            runbook="Compare digest age and the prediction error by direction (Routing & cache dashboard); "
+                    "look for evictions (KV usage near 1, preemptions) and block-size or salt mismatches.",
+            needs="routing.policy prefix_aware",
         ),
     ]
 

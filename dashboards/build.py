@@ -5,7 +5,8 @@
 Four dashboards, each answering one SRE question:
 
     kvtide-overview   are we meeting the SLOs?  TTFT/ITL/e2e p50/p90/p99, req/s, tokens/s, errors, replicas
-    kvtide-routing    is the cache working?     prefix-cache hit rate per replica, load imbalance, router
+    kvtide-routing    is the cache working?     prefix-cache hit rate per replica, load imbalance, router,
+                                                whether the router's cache index can be trusted
     kvtide-capacity   do we need more engines?  KV usage, waiting, preemptions, replicas, the KV autoscaler
     kvtide-engine     what is this replica doing?  every engine signal, one row per `$replica`
 
@@ -92,6 +93,14 @@ def _hit_rate(sel: Selectors, by: str) -> str:
     hits = f"sum{grouping} (rate({sel('ray_vllm_prefix_cache_hits_total')}[{W}]))"
     queries = f"sum{grouping} (rate({sel('ray_vllm_prefix_cache_queries_total')}[{W}]))"
     return f"({hits} or {queries} * 0) / {queries}"
+
+
+def _prediction_share(sel: Selectors, part: str, whole: str) -> str:
+    """rate(predictions with outcome `part`) / rate(those with outcome in `whole`); 0, not "No data", while
+    no `part` outcome has happened yet (a counter appears at its first increment)."""
+    name = "ray_kvtide_router_predictions_total"
+    denominator = rate_sum(sel, name, W, outcome=whole)
+    return f"({rate_sum(sel, name, W, outcome=part)} or {denominator} * 0) / {denominator}"
 
 
 def _replicas_panel() -> PanelSpec:
@@ -198,9 +207,37 @@ def routing() -> DashboardSpec:
                   _quantiles(S, "ray_kvtide_router_matched_prefix_tokens"), unit="short", preview=True),
         PanelSpec("Routing decision latency", _quantiles(S, "ray_kvtide_router_decision_latency_seconds"), unit="s"),
     ))
+    predictions = "ray_kvtide_router_predictions_total"
+    trust = RowSpec("Index trust (router prediction vs engine)", (
+        PanelSpec("Index precision and recall", (
+            Query(_prediction_share(S, "true_hit", "true_hit|false_hit"), "precision"),
+            Query(_prediction_share(S, "true_hit", "true_hit|missed_hit"), "recall"),
+        ), unit="percentunit", max=1, width=12, preview=True,
+            description="Precision: share of the cache hits the router predicted that the engine confirmed "
+                        "(false hits pull requests to replicas that prefill anyway). Recall: share of the engine's "
+                        "hits the router had predicted (missed hits are affinity left unused). prefix_aware only."),
+        PanelSpec("Checked predictions / s by outcome",
+                  (Query(rate_sum(S, predictions, W, by="outcome"), "{{outcome}}"),), unit="reqps", width=12,
+                  description="Each finished request the router predicted for, classified against the engine's "
+                              "cached prompt tokens: true_hit, false_hit, missed_hit, true_miss."),
+        PanelSpec("Prediction error in tokens by direction",
+                  tuple(Query(quantile(q, S, "ray_kvtide_router_prediction_error_tokens", "direction", W),
+                              f"{{{{direction}}}} {label}") for q, label in QUANTILES[:2]),
+                  unit="short", width=12, preview=True,
+                  description="How many prompt tokens the router's prediction was off by (engine cached vs "
+                              "predicted), for requests with a hit on either side. over: the router expected more "
+                              "(evicted, or its own routing history the engine never confirmed); under: the "
+                              "engine had more (a digest not applied yet); exact reads under 1 token."),
+        PanelSpec("Cache-digest age per replica",
+                  (Query(f"max by (replica) ({S('ray_kvtide_router_digest_age_seconds')})", "{{replica}}"),),
+                  unit="s", width=12, preview=True,
+                  description="How old the newest cache digest a router holds for each engine replica is (the "
+                              "oldest over routers). Healthy: under one stats period plus Ray's push delay; "
+                              "includes clock skew between hosts."),
+    ))
     return DashboardSpec("kvtide-routing", "kvtide / Routing & cache",
                          "Whether prefix-aware routing pays: cache hit rate per replica and the balance it costs.",
-                         VARIABLES, (cache, balance, router))
+                         VARIABLES, (cache, balance, router, trust))
 
 
 def capacity() -> DashboardSpec:

@@ -90,6 +90,9 @@ _AUTO = ("deployment", "application")
 ROUTER_ON = "a kvtide request router (routing.policy prefix_aware or round_robin) and one request"
 AUTOSCALING_ON = "engine autoscaling on (replicas.min_replicas/max_replicas) and one controller tick"
 ADMISSION_REJECTED = "a first request refused by admission control (429 at capacity, 504 past its deadline)"
+PREDICTION_CHECKED = "routing.policy prefix_aware and one finished request it routed"
+PREDICTED_HIT_CHECKED = "routing.policy prefix_aware and one finished request with a cache hit predicted or reported"
+DIGEST_HELD = "routing.policy prefix_aware with engine prefix caching on (engines report cache digests)"
 
 CATALOG: tuple[Metric, ...] = (
     # --- ingress (deployments/ingress_metrics.py) ---------------------------------------
@@ -110,6 +113,19 @@ CATALOG: tuple[Metric, ...] = (
     Metric("ray_kvtide_admission_rejections_total", _C, _I, ("model", "reason"), "requests",
            "Requests refused to protect the fleet, by reason (ingress_full, engine_queue_full: 429; timeout: 504).",
            "model", needs=ADMISSION_REJECTED),
+    # Index trust (deployments/routing/trust.py), recorded by the frontend where the engine's cached
+    # count is known; named router_* because they judge the router's index.
+    Metric("ray_kvtide_router_predictions_total", _C, _I, ("model", "outcome"), "requests",
+           "Router cache predictions checked against the engine when the request finished, by outcome: true_hit "
+           "(router predicted cached tokens, engine had some), false_hit (predicted, engine had none), missed_hit "
+           "(predicted none, engine had some), true_miss. Precision = true_hit / (true_hit + false_hit), recall = "
+           "true_hit / (true_hit + missed_hit). Dropped when another replica served the request than the one "
+           "predicted.", "model", needs=PREDICTION_CHECKED),
+    Metric("ray_kvtide_router_prediction_error_tokens", _H, _I, ("model", "direction"), "tokens",
+           "Absolute difference between the engine's cached and the router's predicted prompt tokens, per "
+           "checked request with a hit on either side (true misses are only counted); direction: over (router "
+           "predicted more than the engine had), under, exact. Buckets 1 (exact) .. 16384.", "model",
+           needs=PREDICTED_HIT_CHECKED),
     # --- engine replica, kvtide's own (deployments/engine.py) --------------------------------
     Metric("ray_kvtide_engine_aborted_requests_total", _C, _E, ("model",), "requests",
            "Requests aborted inside the engine because the caller went away (vLLM does not count aborts).",
@@ -124,6 +140,11 @@ CATALOG: tuple[Metric, ...] = (
            "Cached prefix tokens on the chosen replica, per decision.", needs=ROUTER_ON),
     Metric("ray_kvtide_router_decision_latency_seconds", _H, _R, ("policy",), "s",
            "Time to rank replicas for one request.", needs=ROUTER_ON),
+    Metric("ray_kvtide_router_digest_age_seconds", _G, _R, ("replica",), "s",
+           "Per engine replica (Serve's unique replica id), how old the newest cache digest this router holds is: "
+           "the router's wall clock minus the engine's stamp (host clock skew included). Set at most twice a "
+           "second, when stats arrive or a decision is made; a replica that left stops being set and Ray's "
+           "agent drops its series after two export intervals.", needs=DIGEST_HELD),
     # --- autoscaler (autoscaling/metrics.py) ----------------------------------------------
     Metric("ray_kvtide_autoscaler_desired_replicas", _G, _A, _AUTO, "replicas",
            "Engine replicas the KV autoscaler wants (running + starting), after bounds.", needs=AUTOSCALING_ON),

@@ -16,6 +16,12 @@ TTFT is split where the time goes (`kvtide_ttft_phase_seconds`): `frontend` (arr
 engine call: gate, parsing, tokenizing), `engine` (the engine's own time to its first token,
 which it reports in the first delta) and `transport` (the rest: routing, Ray hops, queueing
 for a replica). Their sum is the TTFT the client sees, minus the first byte's trip out.
+
+Index trust (`deployments.routing.trust`): when a request finishes, its router's prediction
+(cached prompt tokens on the replica it picked) is compared with the engine's report. The
+prediction comes from the routing peer's header in direct mode (trusted only there, like the
+token ids) or from the request's own `decision` slot in ingress mode, where the router ran
+in this process; requests of other policies carry none and record nothing.
 """
 
 from __future__ import annotations
@@ -48,6 +54,13 @@ from kvtide.deployments.prompts import (
 )
 from kvtide.deployments.protocol import ApiError, Usage, chat_response, completion_response, now_s
 from kvtide.deployments.routing.block_hash import block_hashes, salt_root
+from kvtide.deployments.routing.trust import (
+    PREDICTED_CACHED_TOKENS_HEADER,
+    Prediction,
+    compare,
+    decode_prediction_header,
+    read_prediction,
+)
 from kvtide.deployments.sse import DONE, ChunkRenderer, error_event
 
 logger = logging.getLogger("kvtide.frontend")
@@ -95,8 +108,9 @@ class OpenAIFrontend:
         self.send_prompt_text = config.routing.policy == "ray_prefix"
         self.limits = admission_limits(config)
         self.gate = AdmissionGate(self.limits.max_ongoing_requests)
-        # Direct mode only: there HAProxy strips the header from clients and the routing peer
-        # sets it (prompts.ROUTED_TOKENS_HEADER); an ingress replica tokenizes itself.
+        # Direct mode only: there HAProxy strips the router's headers from clients and the
+        # routing peer sets them (prompts.ROUTED_TOKENS_HEADER, and the router's prediction,
+        # trust.PREDICTED_CACHED_TOKENS_HEADER); an ingress replica tokenizes itself.
         self.trust_routed_tokens = False
 
     # ---- entry --------------------------------------------------------------------------
@@ -118,7 +132,7 @@ class OpenAIFrontend:
             prompt = self.prompts.build(endpoint, parse_json_body(await self.prompts.read_body(request)),
                                         self._routed_tokens(request))
             response = await self._run(endpoint, prompt, deadline, ticket, timing,
-                                       request.headers.get(SESSION_HEADER))
+                                       request.headers.get(SESSION_HEADER), self._routed_prediction(request))
             streaming = isinstance(response, StreamingResponse)
             return response
         except ApiError as err:
@@ -140,6 +154,12 @@ class OpenAIFrontend:
             return None
         return decode_token_ids(request.headers.get(ROUTED_TOKENS_HEADER))
 
+    def _routed_prediction(self, request: Any) -> Prediction | None:
+        """The routing peer's predicted cached tokens (direct mode, set by HAProxy), if trusted and present."""
+        if not self.trust_routed_tokens:
+            return None
+        return decode_prediction_header(request.headers.get(PREDICTED_CACHED_TOKENS_HEADER))
+
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "kvtide",
@@ -152,7 +172,7 @@ class OpenAIFrontend:
         self.metrics.on_rejected(self.model_name, reason)
 
     async def _run(self, endpoint: str, prompt: Prompt, deadline: Deadline, ticket: _Ticket,
-                   timing: _Timing, session_header: str | None) -> Any:
+                   timing: _Timing, session_header: str | None, prediction: Prediction | None = None) -> Any:
         req = prompt.request
         rid = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         # Block hashes feed the router and the hot-prefix tracker; in direct mode the routing
@@ -174,13 +194,16 @@ class OpenAIFrontend:
         self.metrics.prompt_tokens.inc(len(prompt.token_ids), tags)
         timing.engine_called_s = time.perf_counter()
         stream = await self.engine.open(gen_req, deadline, self._on_rejected)
+        # Routing is over once the stream has opened: an ingress-mode router (this process) has
+        # written its prediction, a retry's included. In direct mode the slot stays empty.
+        prediction = prediction or read_prediction(gen_req.decision)
         first = stream.first
         if first is not None and first.num_output_tokens:
             self._on_first_token(timing, first)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             renderer = ChunkRenderer(endpoint, rid, self.model_name, now_s(), include_usage)
-            body = self._stream(renderer, gen_req, stream, deadline, ticket, timing, tags)
+            body = self._stream(renderer, gen_req, stream, deadline, ticket, timing, tags, prediction)
             # The body releases the gate when it ends; should the server drop the response
             # without iterating it (the client left first), collection releases it instead.
             weakref.finalize(body, ticket.release)
@@ -188,7 +211,7 @@ class OpenAIFrontend:
             if first is not None:
                 headers["x-kvtide-replica"] = first.replica_id
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-        return await self._complete(endpoint, rid, prompt, stream, deadline, timing, tags)
+        return await self._complete(endpoint, rid, prompt, stream, deadline, timing, tags, prediction)
 
     def _on_first_token(self, timing: _Timing, first: GenerateDelta) -> None:
         timing.first_token_s = time.perf_counter()
@@ -198,7 +221,7 @@ class OpenAIFrontend:
                                     engine_s=engine_s, transport_s=to_first_delta_s - engine_s)
 
     async def _complete(self, endpoint: str, rid: str, prompt: Prompt, stream: EngineStream, deadline: Deadline,
-                        timing: _Timing, tags: dict[str, str]) -> JSONResponse:
+                        timing: _Timing, tags: dict[str, str], prediction: Prediction | None = None) -> JSONResponse:
         """A non-streamed response: collect every delta, then answer once."""
         first = stream.first
         text, last = ([first.text], first) if first is not None else ([], None)
@@ -229,6 +252,7 @@ class OpenAIFrontend:
         usage = Usage(len(prompt.token_ids), last.num_output_tokens if last else 0,
                       last.num_cached_tokens if last else 0)
         self._observe(tags, timing, usage, status=200)
+        self._observe_prediction(tags, prediction, last, usage)
         created = now_s()
         full = "".join(text)
         finish = last.finish_reason if last else None
@@ -238,7 +262,7 @@ class OpenAIFrontend:
 
     async def _stream(self, renderer: ChunkRenderer, gen_req: GenerateRequest, stream: EngineStream,
                       deadline: Deadline, ticket: _Ticket, timing: _Timing,
-                      tags: dict[str, str]) -> AsyncIterator[bytes]:
+                      tags: dict[str, str], prediction: Prediction | None = None) -> AsyncIterator[bytes]:
         endpoint = renderer.endpoint
         last = stream.first
         prev_s, prev_tokens = timing.first_token_s, (last.num_output_tokens if last is not None else 0)
@@ -292,6 +316,7 @@ class OpenAIFrontend:
                       last.num_cached_tokens if last else 0)
         yield renderer.closing(usage)
         self._observe(tags, timing, usage, status=200)
+        self._observe_prediction(tags, prediction, last, usage)
 
     def _observe(self, tags: dict[str, str], timing: _Timing, usage: Usage, status: int) -> None:
         if timing.first_token_s is not None:
@@ -301,3 +326,11 @@ class OpenAIFrontend:
             self.metrics.output_tokens.inc(usage.completion_tokens, tags)
         self.metrics.on_request_done(tags["model"], tags["endpoint"], status)
 
+    def _observe_prediction(self, tags: dict[str, str], prediction: Prediction | None, last: GenerateDelta | None,
+                            usage: Usage) -> None:
+        """Index trust: the router's predicted cached tokens against the engine's, for a finished request."""
+        if prediction is None or last is None:
+            return
+        comparison = compare(prediction, last.replica_id, usage.cached_tokens, usage.prompt_tokens, self.block_size)
+        if comparison is not None:  # None: another replica served it than the one predicted
+            self.metrics.on_prediction(tags["model"], comparison)

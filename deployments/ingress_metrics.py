@@ -12,6 +12,7 @@ from __future__ import annotations
 from ray.util import metrics
 
 from kvtide.deployments.metric_sampling import RateCappedSampler
+from kvtide.deployments.routing.trust import Comparison
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 # Serving-path phases sit well under a millisecond on a good path: finer buckets at the bottom.
@@ -19,6 +20,12 @@ PHASE_BUCKETS_S = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
                    2.5, 10.0, 60.0]
 TTFT_PHASES = ("frontend", "transport", "engine")
 ITL_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+# |engine cached − predicted| in tokens. Ray's histograms take positive boundaries only, so
+# the sign is a label (direction: over / under / exact) and the buckets hold the magnitude.
+# Exact matches (0) fall in the first bucket, [0, 1], so their quantiles read under a token.
+# Errors come in whole KV blocks: 16 and 32 resolve one block at block size 16 or 32 (a
+# digest period's drift), the doublings up to 16k a whole long prompt mispredicted.
+PREDICTION_ERROR_BUCKETS_TOKENS = [1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 
 class IngressMetrics:
@@ -51,6 +58,25 @@ class IngressMetrics:
             "kvtide_ttft_phase_seconds", "Time to first token by phase: frontend (arrival to the engine call: gate, "
             "parse, tokenize), transport (routing, Ray hops, waiting for a replica), engine (the engine's own "
             "queue + prefill).", boundaries=PHASE_BUCKETS_S, tag_keys=("model", "phase"))
+
+        # Index trust (deployments.routing.trust): recorded where the engine's cached count is
+        # known, for requests whose router wrote a prediction (prefix_aware only).
+        self.predictions = metrics.Counter(
+            "kvtide_router_predictions", "Router cache predictions checked against the engine, by outcome "
+            "(true_hit, false_hit, missed_hit, true_miss).", tag_keys=("model", "outcome"))
+        self.prediction_error_tokens = metrics.Histogram(
+            "kvtide_router_prediction_error_tokens", "Absolute difference between the engine's cached and the "
+            "router's predicted prompt tokens, per request with a hit on either side; direction: over (router "
+            "predicted more), under, exact.",
+            boundaries=PREDICTION_ERROR_BUCKETS_TOKENS, tag_keys=("model", "direction"))
+
+    def on_prediction(self, model: str, comparison: Comparison) -> None:
+        self.predictions.inc(1, {"model": model, "outcome": comparison.outcome})
+        # True misses (0 predicted, 0 cached) are only counted: in a workload without shared
+        # prefixes they would pile up at 0 and hide the errors that matter.
+        if comparison.outcome != "true_miss":
+            self.prediction_error_tokens.observe(abs(comparison.error_tokens),
+                                                 {"model": model, "direction": comparison.direction})
 
     def on_ttft_phases(self, model: str, frontend_s: float, transport_s: float, engine_s: float) -> None:
         for phase, value_s in zip(TTFT_PHASES, (frontend_s, transport_s, engine_s)):

@@ -8,7 +8,8 @@ neither side imports the other's heavy dependencies (vLLM stays out of the ingre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,12 @@ class GenerateRequest:
     cache_salt: str | None = None
     # A multi-turn conversation's id (prompts.session_key): prefix_aware keeps it on one replica.
     session_key: str | None = None
+    # Written by the request router in the caller's process (routing.trust.write_prediction:
+    # the replica it ranked first and the cached tokens it counted there), read by the frontend
+    # when the stream ends. Mutable inside a frozen request on purpose: the router receives
+    # this very object. Plain data, so it pickles along to the engine (a few bytes); out of
+    # eq/hash/repr. A retry's dataclasses.replace shares the dict, so it holds the last pick.
+    decision: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,9 @@ class RoutingKey:
     # A multi-turn conversation's id (the OpenAI `user` field or an x-session-id header):
     # prefix_aware keeps its turns on one replica while under the load guard. None: no session.
     session_key: str | None = None
+    # The router's prediction for its pick (routing.trust.write_prediction), read by the routing
+    # peer once choose_replica returns; the same slot as GenerateRequest.decision.
+    decision: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass

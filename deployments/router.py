@@ -27,6 +27,16 @@ include them from then on).
 A request's session key (multi-turn affinity) is its `session_key` attribute when it has
 one (`RoutingKey.session_key`; None or absent: no session).
 
+Index trust (`deployments.routing.trust`): each decision writes its prediction (the replica
+ranked first, the cached tokens counted there) into the request's `decision` slot, the
+RoutingKey or GenerateRequest object Ray hands over as `pending_request.args[0]`; whoever
+learns the engine's real cached count (the OpenAI frontend) compares the two. The router
+also reports how old the newest digest it holds per replica is
+(`kvtide_router_digest_age_seconds`), at most every `DIGEST_AGE_RECORD_INTERVAL_S`, when
+stats arrive or a decision is made. Ray's metrics API cannot delete a series: a replica
+that left is simply no longer set, and Ray's metrics agent drops a gauge not set for two
+export intervals (~20 s by default).
+
 The policy lives in `deployments.routing.policy`, its tunables in `kvtide.config.RoutingConfig`;
 this module only adapts.
 """
@@ -45,9 +55,15 @@ from kvtide.config import RoutingConfig
 from kvtide.deployments.messages import RoutingKey
 from kvtide.deployments.routing.fleet import FleetView
 from kvtide.deployments.routing.policy import RouterState
+from kvtide.deployments.routing.trust import write_prediction
 
 DECISION_LATENCY_BUCKETS_S = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2]
 MATCHED_TOKENS_BUCKETS = [1, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+# Digest ages are set at most this often: stats pushes (one per replica per period) and
+# decisions can come thousands of times a second, and each pass sets one gauge per replica.
+# Half a second stays well inside the metrics agent's gauge TTL (two export intervals, at
+# least 2 s), so a live replica's series never lapses between two sets.
+DIGEST_AGE_RECORD_INTERVAL_S = 0.5
 
 
 class RouterMetrics:
@@ -63,6 +79,9 @@ class RouterMetrics:
         self.decision_s = metrics.Histogram(
             "kvtide_router_decision_latency_seconds", "Time to rank replicas for one request.",
             boundaries=DECISION_LATENCY_BUCKETS_S, tag_keys=("policy",))
+        self.digest_age_s = metrics.Gauge(
+            "kvtide_router_digest_age_seconds", "Age of the newest cache digest this router holds, per engine "
+            "replica (router's wall clock minus the engine's stamp).", tag_keys=("replica",))
 
 
 def _request_hashes(pending_request: Optional[PendingRequest]) -> tuple[int, ...]:
@@ -75,6 +94,14 @@ def _session_key(pending_request: Optional[PendingRequest]) -> str | None:
     if pending_request is None or not pending_request.args:
         return None
     return getattr(pending_request.args[0], "session_key", None) or None
+
+
+def _decision_slot(pending_request: Optional[PendingRequest]) -> dict | None:
+    """The request's `decision` slot (RoutingKey / GenerateRequest), if it carries one."""
+    if pending_request is None or not pending_request.args:
+        return None
+    slot = getattr(pending_request.args[0], "decision", None)
+    return slot if isinstance(slot, dict) else None
 
 
 def _is_pick_only(pending_request: Optional[PendingRequest]) -> bool:
@@ -96,12 +123,22 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         self._fleet = FleetView(self._state)
         self._rng = random.Random(seed)
         self._metrics = RouterMetrics()
+        self._digest_ages_set_s = float("-inf")  # monotonic time of the last digest-age pass
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         # Ray's hook for a new replica list or new routing stats: apply them now, so that
         # choose_replicas only reads (same event loop, so never concurrently with it).
         super().update_replicas(replicas)
         self._fleet.sync({_rid(r.replica_id): r.routing_stats or {} for r in replicas})
+        self._record_digest_ages(time.monotonic())
+
+    def _record_digest_ages(self, now_s: float) -> None:
+        """Set each replica's digest age, at most every DIGEST_AGE_RECORD_INTERVAL_S (monotonic `now_s`)."""
+        if now_s - self._digest_ages_set_s < DIGEST_AGE_RECORD_INTERVAL_S:
+            return
+        self._digest_ages_set_s = now_s
+        for rid, age_s in self._fleet.digest_ages_s(time.time()).items():
+            self._metrics.digest_age_s.set(age_s, {"replica": rid})
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
@@ -117,6 +154,11 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         self._metrics.decision_s.observe((time.perf_counter_ns() - started_ns) / 1e9, tags)
         self._metrics.decisions.inc(1, {**tags, "outcome": decision.outcome})
         self._metrics.matched_tokens.observe(decision.matched_tokens, tags)
+        slot = _decision_slot(pending_request)
+        if slot is not None and decision.ranked:
+            # The prediction for the replica Ray tries first; the frontend drops it if another served.
+            write_prediction(slot, decision.ranked[0], decision.matched_tokens)
+        self._record_digest_ages(now_s)
         if decision.ranked and _is_pick_only(pending_request):
             # Ray takes the first replica of a pick-only ranking and tells the router nothing more.
             picked = decision.ranked[0]

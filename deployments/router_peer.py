@@ -5,8 +5,13 @@
         → block hashes → engine handle.choose_replica(RoutingKey, _reserve=False)
           (runs the engine deployment's request router: kvtide's prefix_aware, or a baseline)
     ◄── {"replica_id": "SERVE_REPLICA::<app>#Engine#<id>",
-         "request_headers": {prompts.ROUTED_TOKENS_HEADER: <the token ids>}}; HAProxy forwards
-        the original request, with those headers, to that replica's own HTTP port
+         "request_headers": {prompts.ROUTED_TOKENS_HEADER: <the token ids>,
+                             routing.trust.PREDICTED_CACHED_TOKENS_HEADER: <tokens>;<replica>}};
+        HAProxy forwards the original request, with those headers, to that replica's own HTTP port
+
+The second header is the router's prediction of the prompt tokens the picked replica has
+cached (prefix_aware writes it into the RoutingKey's `decision` slot); the replica compares
+it with the engine's report when the request finishes (index-trust telemetry).
 
 Ray Serve 2.60 wires it with `Application._with_ingress_request_router` (an internal hook
 that Ray Serve LLM's direct streaming uses too) and HAProxy's Lua action; the body reaches
@@ -32,6 +37,7 @@ from kvtide.deployments.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.messages import RoutingKey
 from kvtide.deployments.prompts import SESSION_HEADER, PromptBuilder, load_tokenizer, session_key
 from kvtide.deployments.routing.block_hash import block_hashes, salt_root
+from kvtide.deployments.routing.trust import prediction_header
 
 logger = logging.getLogger("kvtide.router_peer")
 
@@ -71,9 +77,15 @@ class RouterPeer:
                          prompt=self.prompts.tokenizer.decode(token_ids) if self.send_prompt_text else None)
         async with self.engine.choose_replica(key, _reserve=False) as selection:
             replica_id = selection._replica.replica_id.to_full_id_str()
-        # HAProxy sets these headers on the request it forwards: the replica skips tokenizing.
-        return {"replica_id": replica_id, "request_headers": self.prompts.routed_tokens_header(token_ids)}
+        # HAProxy sets these headers on the request it forwards: the replica skips tokenizing,
+        # and learns what the router expected it to have cached.
+        return {"replica_id": replica_id, "request_headers": route_headers(self.prompts, token_ids, key)}
 
     async def hot_prefixes(self, limit: int = 32) -> list[tuple[list[int], float]]:
         """Handle method (not HTTP): shared prefixes a new engine replica should prefill."""
         return self.hot_prefixes_tracker.hottest(time.monotonic(), limit=limit)
+
+
+def route_headers(prompts: PromptBuilder, token_ids: list[int], key: RoutingKey) -> dict[str, str]:
+    """The headers HAProxy sets on the forwarded request: the token ids, and the router's prediction if any."""
+    return {**prompts.routed_tokens_header(token_ids), **prediction_header(key.decision)}

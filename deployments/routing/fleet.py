@@ -10,6 +10,8 @@ that payload implies is applied here, then, off the request path:
                                 replicas no longer listed → forgotten (index, sessions)
     snapshots(in-flight counts) per decision: one ReplicaSnapshot per candidate, reused
                                 while the replica's numbers are unchanged
+    digest_ages_s(now)          per replica: how old the newest applied digest is (telemetry:
+                                how stale the index's engine truth may be)
 
 so a decision only reads an index that is already current. No Ray import: the adapter
 hands plain dicts and ids in.
@@ -40,13 +42,16 @@ class FleetView:
         self._reported_s: dict[str, Any] = {}  # replica → the `reported_s` stamp of its last stats
         self._picks: dict[str, int] = {}  # pick-only choices since that report
         self._snapshots: dict[str, ReplicaSnapshot] = {}
+        self._digest_s: dict[str, float] = {}  # replica → engine timestamp of its newest applied digest
 
     def sync(self, stats_by_replica: Mapping[str, Mapping[str, Any]]) -> None:
         """Apply the latest routing stats of every live replica; forget the replicas not listed."""
         for rid, stats in stats_by_replica.items():
             digest = stats.get("digest")
-            if isinstance(digest, CacheDigest):
-                self.state.apply_digest(rekey(digest, rid))  # ignored unless newer than the last applied
+            # Ignored unless newer than the last applied; its timestamp 0.0 means "not stamped".
+            if (isinstance(digest, CacheDigest) and self.state.apply_digest(rekey(digest, rid))
+                    and digest.timestamp_s > 0):
+                self._digest_s[rid] = digest.timestamp_s
             reported_s = stats.get("reported_s")
             if reported_s != self._reported_s.get(rid):
                 # The engine's numbers now include the picks made before this report.
@@ -63,8 +68,16 @@ class FleetView:
     def forget(self, replica_id: str) -> None:
         """A replica stopped or died: drop it from the state and from every per-replica table."""
         self.state.remove_replica(replica_id)
-        for table in (self._reported, self._reported_s, self._picks, self._snapshots):
+        for table in (self._reported, self._reported_s, self._picks, self._snapshots, self._digest_s):
             table.pop(replica_id, None)
+
+    def digest_ages_s(self, now_s: float) -> dict[str, float]:
+        """Replica → seconds since its newest applied digest was taken, for every replica that sent one.
+
+        `now_s` is wall-clock time (the digests' timestamps are the engines' time.time()), so
+        the age includes clock skew between hosts; a negative age (skew) reads as 0.
+        """
+        return {rid: max(0.0, now_s - stamp_s) for rid, stamp_s in self._digest_s.items()}
 
     def book_pick(self, replica_id: str) -> None:
         """A pick-only choice (no request sent through Ray): count it as load until the next report."""

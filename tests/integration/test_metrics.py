@@ -15,7 +15,11 @@ INGRESS_HISTOGRAMS = [
     "ray_kvtide_time_to_first_token_seconds",
     "ray_kvtide_inter_token_latency_seconds",
     "ray_kvtide_e2e_latency_seconds",
+    # Index trust (prefix_aware, the session's policy): the repeated prompt below is a predicted
+    # hit the engine confirms, so the error histogram has observations.
+    "ray_kvtide_router_prediction_error_tokens",
 ]
+INGRESS_COUNTERS = ["ray_kvtide_router_predictions_total"]
 
 
 def _drive_traffic(http, model: str) -> None:
@@ -34,6 +38,7 @@ def test_metrics_port_serves_engine_and_ingress_series(http, cluster):
     def all_present() -> bool:
         return (all(metric_values(cluster.metrics_url, name) for name in ENGINE_SERIES)
                 and all(metric_values(cluster.metrics_url, name + "_count") for name in INGRESS_HISTOGRAMS)
+                and all(metric_values(cluster.metrics_url, name) for name in INGRESS_COUNTERS)
                 and metric_sum(cluster.metrics_url, "ray_vllm_prefix_cache_hits_total") > 0)
 
     wait_for(all_present, timeout_s=90, what="engine and ingress series in the scrape")

@@ -3,8 +3,9 @@
 A real Prometheus (Debian's /usr/bin/prometheus) scrapes the cluster's Ray metrics port
 every second and loads the generated rule file. The test drives OpenAI traffic on the
 session's app (completions and chat, streamed and not, client errors, a shared prefix for
-prefix-cache hits, a client that hangs up mid-stream) and on a "pressure" app of its own
-whose shape produces the series light traffic never does:
+prefix-cache hits, two requests one after the other on one prefix so the router's predicted
+hit is one the engine confirms, a client that hangs up mid-stream) and on a "pressure" app
+of its own whose shape produces the series light traffic never does:
 
     pressure app   autoscaling on (min = max = 1): the KV policy decides every tick
                    KV cache of ~680 tokens, 4 admitted at once: 8 concurrent 400-token
@@ -207,6 +208,15 @@ def _drive_traffic(cluster) -> int:
         for future, status in futures:
             assert future.result().status_code == status
             sent += 1
+    # One prefix, twice in a row on an idle fleet: the second request's predicted hit (the router
+    # routed the first there) is confirmed by the engine, so every round has a true_hit and the
+    # index precision/recall queries a non-zero denominator (a burst's predictions can all be
+    # false hits, made before the first prefill finished).
+    pair_prefix = [rng.randrange(100, 8000) for _ in range(128)]  # 4 blocks of 32
+    for i in range(2):
+        assert post("/v1/completions", {"model": model, "prompt": pair_prefix + [100 + i] * 8,
+                                        "max_tokens": 4}).status_code == 200
+        sent += 1
     # A client that hangs up mid-stream: the engine aborts the request (aborted counter, status 499).
     with httpx.Client(base_url=url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json={"model": model, "prompt": "import", "max_tokens": 2000,

@@ -28,6 +28,7 @@ RUNBOOKS = alerts.REPO_ROOT / "docs" / "runbooks.md"
 M = 'model="demo"'
 R1 = 'model_name="demo",engine="0",ReplicaId="r1"'
 ENG = 'deployment="Engine",application="kvtide"'
+PRED = "ray_kvtide_router_predictions_total"
 
 
 def _bucket(name: str, labels: str, counts: dict[str, str]) -> list[dict[str, str]]:
@@ -91,6 +92,26 @@ CASES: dict[str, tuple[list[dict[str, str]], dict[str, str], list[dict[str, str]
         [{"series": 'ray_kvtide_router_decisions_total{policy="prefix_aware",outcome="load_fallback"}',
           "values": "0+10x50"},
          {"series": 'ray_kvtide_router_decisions_total{policy="prefix_aware",outcome="cache_hit"}', "values": "0+90x50"}],
+    ),
+    "KvtideRouterDigestStale": (
+        # One replica's digests stopped coming: its age climbs a minute per minute.
+        [{"series": 'ray_kvtide_router_digest_age_seconds{replica="r1"}', "values": "0.5+60x50"},
+         {"series": 'ray_kvtide_router_digest_age_seconds{replica="r2"}', "values": "0.8x50"}],
+        {"replica": "r1"},
+        # Fresh digests, one replica with a single late push (one sample, not a minute).
+        [{"series": 'ray_kvtide_router_digest_age_seconds{replica="r1"}', "values": " ".join(["0.9x8 10"] * 5)},
+         {"series": 'ray_kvtide_router_digest_age_seconds{replica="r2"}', "values": "1.5x50"}],
+    ),
+    "KvtideRouterIndexPrecisionLow": (
+        # 20 % of 10 predicted hits a minute confirmed.
+        [{"series": f'{PRED}{{{M},outcome="true_hit"}}', "values": "0+2x50"},
+         {"series": f'{PRED}{{{M},outcome="false_hit"}}', "values": "0+8x50"},
+         {"series": f'{PRED}{{{M},outcome="true_miss"}}', "values": "0+30x50"}],
+        {"model": "demo"},
+        # 90 % confirmed; misses on either side do not count against precision.
+        [{"series": f'{PRED}{{{M},outcome="true_hit"}}', "values": "0+9x50"},
+         {"series": f'{PRED}{{{M},outcome="false_hit"}}', "values": "0+1x50"},
+         {"series": f'{PRED}{{{M},outcome="missed_hit"}}', "values": "0+30x50"}],
     ),
 }
 EVAL_TIME = "40m"  # past every rule's `for` plus its window
@@ -184,3 +205,26 @@ def test_no_ready_replicas_fires_when_nothing_is_scraped_but_not_on_scale_to_zer
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     result = _promtool("test", "rules", "tests.yaml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _run_cases(tmp_path: Path, name: str, cases: list[tuple[list[dict[str, str]], list[dict[str, Any]]]]) -> None:
+    """promtool: `name` at EVAL_TIME on each (input series, expected alerts) case, plain rule file."""
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(_strip_annotations(alerts.rules_text()), sort_keys=False))
+    tests = [{"interval": "1m", "input_series": series, "alert_rule_test": [
+        {"eval_time": EVAL_TIME, "alertname": name, "exp_alerts": expected}]} for series, expected in cases]
+    spec = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": tests}
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    result = _promtool("test", "rules", "tests.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_index_precision_needs_enough_predictions_and_fires_before_any_true_hit(tmp_path: Path) -> None:
+    """Low precision over too few predicted hits stays silent; all-false hits (no true_hit series yet) fire."""
+    firing = [{"exp_labels": {"severity": "warning", "model": "demo"}}]
+    _run_cases(tmp_path, "KvtideRouterIndexPrecisionLow", [
+        # 0 of 3 predicted hits per 10 minutes confirmed: under min_predicted_hits, no verdict.
+        ([{"series": f'{PRED}{{{M},outcome="true_hit"}}', "values": "0x50"},
+          {"series": f'{PRED}{{{M},outcome="false_hit"}}', "values": "0+0.3x50"}], []),
+        # The true_hit counter never appeared (Ray creates a series at its first increment).
+        ([{"series": f'{PRED}{{{M},outcome="false_hit"}}', "values": "0+10x50"}], firing),
+    ])

@@ -21,6 +21,7 @@ from kvtide.deployments.messages import GenerateDelta, GenerateRequest, Sampling
 from kvtide.deployments.openai_app import build_openai_app
 from kvtide.deployments.prompts import ROUTED_TOKENS_HEADER, PromptBuilder, encode_token_ids
 from kvtide.deployments.protocol import ApiError
+from kvtide.deployments.routing.trust import PREDICTED_CACHED_TOKENS_HEADER, Comparison, write_prediction
 
 CONFIG = parse_config({"model": "/m", "served_model_name": "m", "engine": {"max_model_len": 64}})
 
@@ -48,6 +49,7 @@ class FakeMetrics:
         self.done: list[int] = []
         self.rejected: list[str] = []
         self.phases: list[tuple[float, float, float]] = []
+        self.predictions: list[tuple[str, Comparison]] = []
         self.ttft_s = self.itl_s = self.e2e_s = self.prompt_tokens = self.output_tokens = self
 
     def observe(self, *_: Any) -> None:
@@ -67,6 +69,9 @@ class FakeMetrics:
 
     def on_inter_token_latency(self, now_s: float, per_token_s: float, tags: dict[str, str]) -> None:
         pass
+
+    def on_prediction(self, model: str, comparison: Comparison) -> None:
+        self.predictions.append((model, comparison))
 
 
 def _deltas(n: int) -> list[GenerateDelta]:
@@ -306,3 +311,65 @@ def test_the_session_key_reaches_the_router(headers, user, expected):
     body = {"model": "m", "prompt": "abc", "max_tokens": 1, **({"user": user} if user else {})}
     assert client.post("/v1/completions", json=body, headers=headers).status_code == 200
     assert seen[0].session_key == expected
+
+
+# 40 characters: 41 tokens with the BOS, so two full blocks of 16 are cacheable by the engine.
+TRUST_BODY = {"model": "m", "prompt": "x" * 40, "max_tokens": 2}
+
+
+def _cached_deltas(cached_tokens: int, replica_id: str = "r1") -> list[GenerateDelta]:
+    return [GenerateDelta(text=f"t{i}", num_output_tokens=i + 1, num_prompt_tokens=41, num_cached_tokens=cached_tokens,
+                          finish_reason="length" if i == 1 else None, replica_id=replica_id) for i in range(2)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize(("trusted", "header", "expected"), [
+    (True, "32;r1", [("m", Comparison("true_hit", -16))]),
+    (False, "32;r1", []),  # ingress mode: a client's copy of the router's header is ignored
+    (True, "32;r2", []),  # predicted for another replica (HAProxy redispatched): not compared
+    (True, None, []),  # another policy, or a route without hashes: no prediction, nothing recorded
+])
+def test_predicted_cached_tokens_header_is_compared_only_where_trusted(stream, trusted, header, expected):
+    """Direct mode: the peer's prediction is compared with the engine's cached tokens when the request ends."""
+    async def generate(request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        for delta in _cached_deltas(16):
+            yield delta
+
+    metrics = FakeMetrics()
+    frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
+                              LocalEngineClient(generate, admission_limits(CONFIG)), metrics, None)
+    frontend.trust_routed_tokens = trusted
+
+    async def ready() -> bool:
+        return True
+
+    client = TestClient(build_openai_app(frontend, ApiKeys([]), ready))
+    resp = client.post("/v1/completions", json={**TRUST_BODY, "stream": stream},
+                       headers={PREDICTED_CACHED_TOKENS_HEADER: header} if header else {})
+    assert resp.status_code == 200, resp.text
+    assert metrics.done == [200] and metrics.predictions == expected
+
+
+class RoutingHandle(FakeHandle):
+    """A handle whose router (in this process, as in ingress mode) writes its prediction into the request."""
+
+    def __init__(self, predicted_replica: str, cached_tokens: int):
+        super().__init__([])
+        self.predicted_replica, self.cached_tokens = predicted_replica, cached_tokens
+
+    def remote(self, request: GenerateRequest) -> FakeResponse:
+        write_prediction(request.decision, self.predicted_replica, 32)
+        self.calls.append(request.request_id)
+        return FakeResponse(_cached_deltas(self.cached_tokens), None)
+
+
+@pytest.mark.parametrize(("predicted_replica", "expected"), [
+    ("r1", [("m", Comparison("false_hit", -32))]),
+    ("r0", []),  # Ray sent it to the next rank after the first rejected: the prediction was for r0
+])
+def test_ingress_mode_compares_the_slot_its_router_wrote(predicted_replica, expected):
+    """Ingress mode: the request's own decision slot carries the prediction; no header is needed or trusted."""
+    client, metrics = _app(engine=HandleEngineClient(RoutingHandle(predicted_replica, 0), admission_limits(CONFIG)))
+    resp = client.post("/v1/completions", json=TRUST_BODY)
+    assert resp.status_code == 200, resp.text
+    assert metrics.predictions == expected

@@ -1,4 +1,5 @@
-"""PrefixAwareRouter (the Ray adapter) without a cluster: stats applied on arrival, sessions threaded through.
+"""PrefixAwareRouter (the Ray adapter) without a cluster: stats applied on arrival, sessions threaded through,
+predictions written into the request's slot, digest ages reported.
 
 Ray Serve calls `update_replicas` whenever the replica list or a replica's routing stats
 change, and `choose_replicas` per request, both on the router's event loop. These tests
@@ -14,9 +15,10 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.request_router import PendingRequest
 
 from kvtide.deployments.messages import GenerateRequest, RoutingKey, SamplingSpec
-from kvtide.deployments.router import PrefixAwareRouter
+from kvtide.deployments.router import DIGEST_AGE_RECORD_INTERVAL_S, PrefixAwareRouter
 from kvtide.deployments.routing.block_hash import block_hashes
 from kvtide.deployments.routing.snapshot import CacheDigest
+from kvtide.deployments.routing.trust import Prediction, read_prediction
 
 BS = 4
 PROMPT = tuple(block_hashes(list(range(32)), BS))  # 8 blocks
@@ -112,3 +114,65 @@ def test_requests_without_a_session_key_attribute_still_route():
         return ranked_ids(await router.choose_replicas([a, b], pending(request)))
 
     assert asyncio.run(scenario())[0] == "b"
+
+
+def test_each_decision_writes_its_prediction_into_the_requests_slot():
+    """The replica ranked first and its cached tokens land in the very RoutingKey / GenerateRequest Ray passed."""
+    async def scenario():
+        router = new_router()
+        a, b = FakeReplica("a"), FakeReplica("b", digest_stats("engine-b", 1))
+        router.update_replicas([a, b])
+        key = RoutingKey(block_hashes=PROMPT)
+        request = GenerateRequest("r1", list(range(33)), SamplingSpec(max_tokens=1), block_hashes=PROMPT[:2])
+        cold = RoutingKey(block_hashes=tuple(block_hashes(list(range(100, 132)), BS)))
+        # The GenerateRequest first: a pick-only RoutingKey books its pick as load on "b".
+        for arg in (request, key, cold):
+            await router.choose_replicas([a, b], pending(arg))
+        await router.choose_replicas([a, b], pending(object()))  # no slot: nothing to write, no error
+        untouched = RoutingKey(block_hashes=PROMPT)
+        await router.choose_replicas([], pending(untouched))  # no candidate, no pick, no prediction
+        return key, request, cold, untouched
+
+    key, request, cold, untouched = asyncio.run(scenario())
+    assert read_prediction(key.decision) == Prediction("b", 8 * BS)
+    assert read_prediction(request.decision) == Prediction("b", 2 * BS)
+    cold_prediction = read_prediction(cold.decision)
+    assert cold_prediction is not None and cold_prediction.cached_tokens == 0
+    assert read_prediction(untouched.decision) is None
+
+
+class FakeGauge:
+    def __init__(self) -> None:
+        self.sets: list[tuple[str, float]] = []
+
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        self.sets.append((tags["replica"], value))
+
+
+def test_digest_ages_are_set_per_replica_at_most_every_interval_and_not_for_gone_replicas():
+    """Each stamped replica's age is set when stats arrive, throttled to one pass per interval; a gone one stops."""
+    stamp_s = time.time() - 2.0
+
+    def stamped(engine_id: str) -> dict:
+        return {"digest": CacheDigest.from_hashes(engine_id, 1, 1, PROMPT, timestamp_s=stamp_s), "reported_s": 1.0}
+
+    async def scenario():
+        router = new_router()
+        gauge = router._metrics.digest_age_s = FakeGauge()
+        a, b = FakeReplica("a", stamped("engine-a")), FakeReplica("b", stamped("engine-b"))
+        router.update_replicas([a, b])
+        first = list(gauge.sets)
+        last_s = router._digest_ages_set_s
+        gauge.sets.clear()
+        router._record_digest_ages(last_s + DIGEST_AGE_RECORD_INTERVAL_S / 2)
+        throttled = list(gauge.sets)
+        router.update_replicas([b])  # "a" left
+        gauge.sets.clear()
+        router._record_digest_ages(router._digest_ages_set_s + DIGEST_AGE_RECORD_INTERVAL_S)
+        return first, throttled, gauge.sets
+
+    first, throttled, after_a_left = asyncio.run(scenario())
+    assert sorted(rid for rid, _ in first) == ["a", "b"]
+    assert all(2.0 <= age_s < 60.0 for _, age_s in first)
+    assert throttled == []
+    assert [rid for rid, _ in after_a_left] == ["b"]

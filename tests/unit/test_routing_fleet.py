@@ -87,3 +87,28 @@ def test_rekey_keeps_everything_but_the_id():
     assert (renamed.replica_id, renamed.epoch, renamed.sequence, renamed.blocks, renamed.all_cleared,
             renamed.timestamp_s) == ("a", 3, 7, digest.blocks, True, 1.5)
     assert rekey(renamed, "a") is renamed
+
+
+def stamped(seq: int, stamp_s: float, engine_id: str = "engine-a") -> dict:
+    return {"digest": CacheDigest.from_hashes(engine_id, 1, seq, PROMPT, timestamp_s=stamp_s), "reported_s": stamp_s}
+
+
+def test_digest_age_is_that_of_the_newest_applied_digest_per_replica():
+    """Age = now − the stamp of the newest applied digest; a replayed older report does not make it younger or older."""
+    view = fleet()
+    view.sync({"a": stamped(1, 100.0), "b": stamped(1, 103.0, "engine-b")})
+    assert view.digest_ages_s(104.0) == {"a": 4.0, "b": 1.0}
+    view.sync({"a": stamped(2, 103.5), "b": stamped(1, 103.0, "engine-b")})
+    view.sync({"a": stamped(1, 100.0), "b": stamped(1, 103.0, "engine-b")})  # a's late older report: not applied
+    assert view.digest_ages_s(104.0) == {"a": 0.5, "b": 1.0}
+    # b's stats keep arriving without a newer digest: its view keeps ageing.
+    assert view.digest_ages_s(110.0)["b"] == 7.0
+
+
+def test_digest_age_skips_unstamped_digests_clamps_skew_and_forgets_gone_replicas():
+    """An unstamped digest (0.0) has no age; a clock ahead reads 0, not negative; a replica that left has none."""
+    view = fleet()
+    view.sync({"a": stats(1), "b": stamped(1, 200.0, "engine-b")})
+    assert view.digest_ages_s(150.0) == {"b": 0.0}
+    view.sync({"a": stats(2)})
+    assert view.digest_ages_s(250.0) == {}

@@ -1,0 +1,103 @@
+"""Direct mode's routing peer without Serve: its answer carries the router's prediction to the replica.
+
+`RouterPeer.route` is driven with a stand-in `self` whose engine handle runs the real
+PrefixAwareRouter on the RoutingKey, as Ray's `choose_replica(key, _reserve=False)` does in
+the peer's process; no Ray instance is started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from types import SimpleNamespace
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+from ray.serve.request_router import PendingRequest
+
+from kvtide.config import parse_config
+from kvtide.deployments.hot_prefixes import HotPrefixTracker
+from kvtide.deployments.messages import RoutingKey
+from kvtide.deployments.prompts import ROUTED_TOKENS_HEADER, PromptBuilder
+from kvtide.deployments.router import PrefixAwareRouter
+from kvtide.deployments.router_peer import RouterPeer, route_headers
+from kvtide.deployments.routing.block_hash import block_hashes
+from kvtide.deployments.routing.snapshot import CacheDigest
+from kvtide.deployments.routing.trust import (
+    PREDICTED_CACHED_TOKENS_HEADER,
+    Prediction,
+    decode_prediction_header,
+    write_prediction,
+)
+
+CONFIG = parse_config({"model": "/m", "served_model_name": "m", "engine": {"max_model_len": 64}})
+BS = CONFIG.engine.block_size
+DEPLOYMENT = DeploymentID(name="Engine", app_name="app")
+BODY = json.dumps({"model": "m", "prompt": "y" * 40, "max_tokens": 1}).encode()  # 41 tokens: 2 full blocks
+
+
+class FakeTokenizer:
+    """One token per character, after a BOS."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [ord(c) % 256 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+class FakeReplica:
+    """The attributes of a RunningReplica the router and the peer read."""
+
+    def __init__(self, unique_id: str, routing_stats: dict | None = None):
+        self.replica_id = ReplicaID(unique_id=unique_id, deployment_id=DEPLOYMENT)
+        self.routing_stats = routing_stats or {}
+        self.max_ongoing_requests = 100
+
+
+class RouterHandle:
+    """`choose_replica(key, _reserve=False)` as Ray runs it: the deployment's router ranks, the first is taken."""
+
+    def __init__(self, router: PrefixAwareRouter, replicas: list[FakeReplica]):
+        self.router, self.replicas = router, replicas
+
+    @contextlib.asynccontextmanager
+    async def choose_replica(self, key: RoutingKey, _reserve: bool = True):
+        ranks = await self.router.choose_replicas(self.replicas, PendingRequest(args=[key], kwargs={}, metadata=None))
+        yield SimpleNamespace(_replica=ranks[0][0])
+
+
+def test_the_peer_answers_with_the_routers_prediction_for_its_pick():
+    """route(): the replica the router picked, and a prediction header naming it with its cached prompt tokens."""
+    prompts = PromptBuilder(CONFIG, FakeTokenizer())
+    token_ids = prompts.routing_prompt(BODY).token_ids
+    hashes = block_hashes(token_ids, BS)
+
+    async def scenario():
+        router = PrefixAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(block_size=BS, seed=0)
+        digest = CacheDigest.from_hashes("engine-b", 1, 1, hashes)
+        replicas = [FakeReplica("a"), FakeReplica("b", {"digest": digest, "reported_s": 1.0})]
+        router.update_replicas(replicas)
+        peer = SimpleNamespace(prompts=prompts, block_size=BS, send_prompt_text=False,
+                               hot_prefixes_tracker=HotPrefixTracker(BS), engine=RouterHandle(router, replicas))
+        return await RouterPeer.route(peer, BODY)
+
+    answer = asyncio.run(scenario())
+    assert answer["replica_id"].endswith("#b")
+    headers = answer["request_headers"]
+    assert set(headers) == {ROUTED_TOKENS_HEADER, PREDICTED_CACHED_TOKENS_HEADER}
+    assert decode_prediction_header(headers[PREDICTED_CACHED_TOKENS_HEADER]) == Prediction("b", 2 * BS)
+
+
+def test_route_headers_add_the_prediction_only_when_the_router_wrote_one():
+    """A baseline router writes nothing: the answer then carries the token ids alone."""
+    prompts = PromptBuilder(CONFIG, FakeTokenizer())
+    key = RoutingKey()
+    assert set(route_headers(prompts, [1, 2, 3], key)) == {ROUTED_TOKENS_HEADER}
+    write_prediction(key.decision, "b", 0)
+    headers = route_headers(prompts, [1, 2, 3], key)
+    assert decode_prediction_header(headers[PREDICTED_CACHED_TOKENS_HEADER]) == Prediction("b", 0)
