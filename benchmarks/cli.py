@@ -1,13 +1,27 @@
 """`kvtide bench`: run a workload against a server, or compare routing policies side by side.
 
     kvtide bench run     --url URL --workload NAME (--rate R | --concurrency C) --duration S --out FILE.json
-    kvtide bench compare --config FILE --policies pow2,ray_prefix,prefix_aware ... --out DIR
+    kvtide bench compare --config FILE --policies bare,pow2,ray_prefix,prefix_aware ... --out DIR
 
-`run` measures any OpenAI-compatible server on loopback. `compare` starts the local
-kvtide cluster once per policy (`routing.policy=<p>` as a config override, so the
-config model rejects an unknown policy before anything starts), runs the same
-workload with the same seed, stops the cluster, and writes DIR/results.json,
-DIR/report.md, DIR/<policy>.requests.jsonl and PNG plots.
+`run` measures any OpenAI-compatible server on loopback. `compare` runs the same
+workload with the same seed once per entry of --policies, each on a fresh server:
+
+    bare          no kvtide: N independent bare vLLM OpenAI servers with kvtide's engine
+                  flags (N = replicas.num_replicas, or max_replicas when autoscaling),
+                  each on its own cores / GPUs, behind a round-robin HAProxy (Ray's
+                  bundled binary; a small Python proxy if there is none) — what a
+                  platform team runs without kvtide (benchmarks/bare_fleet.py)
+    pow2          kvtide's cluster with Ray Serve's power-of-two-choices router (load only)
+    round_robin   kvtide's cluster, round robin
+    ray_prefix    kvtide's cluster with Ray Serve LLM's prefix-aware router
+    prefix_aware  kvtide's cluster with kvtide's prefix-cache-aware router
+
+For a kvtide policy the local cluster starts with `routing.policy=<p>` as a config
+override (so the config model rejects an unknown policy before anything starts) and
+stops after the run. Ratios in the report are against `bare` if it ran, else `pow2`,
+else the first policy. Every run reports goodput: successful requests per second whose
+TTFT met --slo-ttft-s. Writes DIR/results.json, DIR/report.md,
+DIR/<policy>.requests.jsonl, PNG plots, and for `bare` its logs under DIR/bare/.
 
 `register(subparsers)` adds the `bench` command to the kvtide CLI's subparsers.
 """
@@ -16,18 +30,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
 
 import httpx
 
 from kvtide.benchmarks.loadgen import DEFAULT_REQUEST_TIMEOUT_S, LoadResult, run_load
-from kvtide.benchmarks.report import MetricsSample, build_run_report, metrics_delta, parse_metrics
+from kvtide.benchmarks.report import (
+    DEFAULT_SLO_TTFT_S,
+    MetricsSample,
+    build_run_report,
+    merge_server_samples,
+    metrics_delta,
+    parse_metrics,
+)
 from kvtide.benchmarks.workloads import (
     DEFAULT_TOKENS_PER_WORD,
     WORKLOAD_PARAMS,
@@ -37,7 +59,16 @@ from kvtide.benchmarks.workloads import (
     make_params,
 )
 
+if TYPE_CHECKING:
+    from kvtide.config import KvtideConfig
+
 METRICS_POLL_S = 1.0
+BARE_POLICY = "bare"  # = bare_fleet.BARE_POLICY; not imported here, so `bench run` stays light
+DEFAULT_POLICIES = "pow2,ray_prefix,prefix_aware"
+
+# Where a run's counters come from: one endpoint whose series name their replica (kvtide
+# through Ray's metrics agent), or {server name: endpoint} of independent servers (bare).
+MetricsSource = Union[str, Mapping[str, str], None]
 
 
 # ---- flags ------------------------------------------------------------------------------------
@@ -72,6 +103,9 @@ def _add_load_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=4, help="short unmeasured requests sent first (0: none)")
     g.add_argument("--metrics-settle", type=float, default=30.0,
                    help="seconds to wait for the server's request counters to include the run")
+    g.add_argument("--slo-ttft-s", type=float, default=DEFAULT_SLO_TTFT_S,
+                   help=f"TTFT objective for goodput: successful requests/s with TTFT <= this "
+                        f"(default {DEFAULT_SLO_TTFT_S})")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -95,8 +129,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cmp_p.add_argument("--config", "-c", help="cluster config YAML (default: the embedded CPU demo config)")
     cmp_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="config override for every run, e.g. --set http.port=8200 (repeatable)")
-    cmp_p.add_argument("--policies", default="pow2,ray_prefix,prefix_aware",
-                       help="comma-separated routing.policy values; the first (or pow2) is the baseline")
+    cmp_p.add_argument("--policies", default=DEFAULT_POLICIES,
+                       help=f"comma-separated: routing.policy values, and `{BARE_POLICY}` (bare vLLM servers behind "
+                            "a round-robin balancer, no kvtide); the baseline is bare, else pow2, else the first")
+    cmp_p.add_argument("--bare-balancer", choices=("auto", "haproxy", "python"), default="auto",
+                       help="bare's balancer: HAProxy if a binary is found (auto), or the Python round-robin proxy")
     cmp_p.add_argument("--out", required=True, help="output directory")
     _add_workload_flags(cmp_p)
     _add_load_flags(cmp_p)
@@ -116,25 +153,33 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     return workload
 
 
-async def scrape(client: httpx.AsyncClient, metrics_url: str | None) -> MetricsSample | None:
-    if not metrics_url:
-        return None
-    resp = await client.get(metrics_url)
+async def _metrics_text(client: httpx.AsyncClient, url: str) -> str:
+    resp = await client.get(url)
     resp.raise_for_status()
-    return parse_metrics(resp.text)
+    return resp.text
 
 
-async def _settled_after(client: httpx.AsyncClient, metrics_url: str | None, before: MetricsSample | None,
+async def scrape(client: httpx.AsyncClient, metrics: MetricsSource) -> MetricsSample | None:
+    """One sample of the run's counters; independent servers are scraped together and merged per server."""
+    if not metrics:
+        return None
+    if isinstance(metrics, str):
+        return parse_metrics(await _metrics_text(client, metrics))
+    texts = await asyncio.gather(*(_metrics_text(client, url) for url in metrics.values()))
+    return merge_server_samples({name: parse_metrics(text) for name, text in zip(metrics, texts)})
+
+
+async def _settled_after(client: httpx.AsyncClient, metrics: MetricsSource, before: MetricsSample | None,
                          num_ok: int, settle_s: float) -> MetricsSample | None:
     """Scrape until the request counters include the run's successes (metrics export lags), or give up."""
-    after = await scrape(client, metrics_url)
+    after = await scrape(client, metrics)
     deadline = time.monotonic() + settle_s
     while after is not None and before is not None and time.monotonic() < deadline:
         delta = metrics_delta(before, after)
         if delta is not None and sum(delta.requests_by_replica.values()) >= num_ok:
             break
         await asyncio.sleep(METRICS_POLL_S)
-        after = await scrape(client, metrics_url)
+        after = await scrape(client, metrics)
     return after
 
 
@@ -148,21 +193,22 @@ async def _warmup(base_url: str, model: str | None, endpoint: str, count: int) -
     return sum(r.ok for r in load.results)
 
 
-async def bench_once(base_url: str, metrics_url: str | None, workload: Workload, policy: str | None,
+async def bench_once(base_url: str, metrics: MetricsSource, workload: Workload, policy: str | None,
                      args: argparse.Namespace, model: str | None = None) -> tuple[dict[str, Any], LoadResult]:
     """Warm up, scrape, run the workload, scrape again after the counters settle; the run JSON and raw results."""
     async with httpx.AsyncClient(timeout=10.0) as client:
         # The export lags: "before" must already include the warm-up, or it counts in the run.
-        initial = await scrape(client, metrics_url)
+        initial = await scrape(client, metrics)
         num_warm_ok = await _warmup(base_url, model, args.endpoint, args.warmup)
-        before = await _settled_after(client, metrics_url, initial, num_warm_ok, args.metrics_settle)
+        before = await _settled_after(client, metrics, initial, num_warm_ok, args.metrics_settle)
         load = await run_load(base_url, workload.requests, duration_s=args.duration, rate=args.rate,
                               concurrency=args.concurrency, model=model, endpoint=args.endpoint, seed=args.seed,
                               request_timeout_s=args.request_timeout, progress=not args.no_progress)
         num_ok = sum(r.ok for r in load.results)
-        after = await _settled_after(client, metrics_url, before, num_ok, args.metrics_settle)
+        after = await _settled_after(client, metrics, before, num_ok, args.metrics_settle)
     report = build_run_report(workload=workload.name, policy=policy, results=load.results,
-                              duration_s=load.duration_s, metrics=metrics_delta(before, after))
+                              duration_s=load.duration_s, metrics=metrics_delta(before, after),
+                              slo_ttft_s=args.slo_ttft_s)
     return report, load
 
 
@@ -184,7 +230,8 @@ def _one_line(report: dict[str, Any]) -> str:
     ttft = report["ttft_s"]["p50"]
     rate = report["prefix_cache_hit_rate"]
     return (f"{report['policy'] or '-'}: {report['num_requests']} requests ({report['num_errors']} errors), "
-            f"{report['requests_per_s']:.2f} req/s, {report['output_tokens_per_s']:.1f} tok/s, "
+            f"{report['requests_per_s']:.2f} req/s, goodput {report['goodput_requests_per_s']:.2f} req/s "
+            f"(TTFT <= {report['slo_ttft_s']:g} s), {report['output_tokens_per_s']:.1f} tok/s, "
             f"TTFT p50 {'-' if ttft is None else f'{ttft:.3f}'} s, hit rate {'-' if rate is None else f'{rate:.2f}'}, "
             f"imbalance {report['imbalance']}")
 
@@ -202,40 +249,74 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if report["num_errors"] == 0 else 1
 
 
+@dataclass(frozen=True)
+class Target:
+    """A running server for one policy: where to send, where to scrape, what to ask for, what to note."""
+
+    base_url: str
+    metrics: MetricsSource
+    model_name: str
+    note: str | None = None
+
+
+def policy_config(config_path: str, overrides: list[str], policy: str) -> KvtideConfig:
+    """The config one policy runs with (validated now: a typo fails in a second, not after a run)."""
+    from kvtide.config import load_config
+
+    if policy == BARE_POLICY:
+        from kvtide.benchmarks.bare_fleet import fleet_size
+
+        config = load_config(config_path, overrides)
+        fleet_size(config)  # raises if the config has no engine replica to mirror
+        return config
+    return load_config(config_path, [*overrides, f"routing.policy={policy}"])
+
+
+@contextlib.contextmanager
+def serving(policy: str, config: KvtideConfig, out: Path, args: argparse.Namespace) -> Iterator[Target]:
+    """The bare fleet or the local kvtide cluster for `policy`, stopped (every process) on exit."""
+    if policy == BARE_POLICY:
+        from kvtide.benchmarks import bare_fleet
+
+        with bare_fleet.running(config, out / BARE_POLICY, request_timeout_s=args.request_timeout,
+                                balancer=args.bare_balancer) as fleet:
+            yield Target(fleet.base_url, fleet.metrics_urls, fleet.model_name, fleet.note)
+    else:
+        from kvtide.cluster import local
+
+        with local.running(config) as cluster:
+            yield Target(cluster.base_url, cluster.metrics_url, cluster.model_name)
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from kvtide.benchmarks.plots import write_plots
     from kvtide.benchmarks.report import RequestResult, compare_markdown
-    from kvtide.cluster import local
-    from kvtide.config import load_config
-
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not policies:
-        print("kvtide bench compare: --policies is empty; give e.g. pow2,prefix_aware", file=sys.stderr)
-        return 2
     from kvtide.cluster.cli import default_config_path
 
+    policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
+    if not policies:
+        print("kvtide bench compare: --policies is empty; give e.g. bare,pow2,prefix_aware", file=sys.stderr)
+        return 2
     config_path = args.config or default_config_path()
-    # Validate every policy's config before starting anything: a typo fails in a second, not after a run.
-    configs = {p: load_config(config_path, [*args.overrides, f"routing.policy={p}"]) for p in policies}
+    configs = {p: policy_config(config_path, args.overrides, p) for p in policies}
     workload = workload_from_args(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
     samples: dict[str, list[RequestResult]] = {}
+    notes: list[str] = []
     for policy, config in configs.items():
-        print(f"kvtide bench compare: starting the cluster with routing.policy={policy} ...", flush=True)
-        cluster = local.start(config)
-        try:
-            report, load = asyncio.run(bench_once(cluster.base_url, cluster.metrics_url, workload, policy, args,
-                                                  cluster.model_name))
-        finally:
-            local.stop()
+        print(f"kvtide bench compare: starting {policy} ...", flush=True)
+        with serving(policy, config, out, args) as target:
+            report, load = asyncio.run(bench_once(target.base_url, target.metrics, workload, policy, args,
+                                                  target.model_name))
+        notes += [target.note] if target.note else []
         results[policy], samples[policy] = report, load.results
         _write_samples(out / f"{policy}.requests.jsonl", load)
         _write_json(out / "results.json", results)  # after each policy: a crash keeps finished runs
         print(_one_line(report), flush=True)
     command = "kvtide " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else None
-    (out / "report.md").write_text(compare_markdown(results, command=command))
+    (out / "report.md").write_text(compare_markdown(results, command=command, notes=notes))
     write_plots(results, samples, out)
     print(f"kvtide bench compare: wrote {out}/results.json, report.md and plots")
     return 0

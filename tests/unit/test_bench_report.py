@@ -1,4 +1,4 @@
-"""Benchmark report: percentiles, the exact run-JSON keys, Prometheus parsing, imbalance, comparison table."""
+"""Benchmark report: percentiles, the exact run-JSON keys, goodput, Prometheus parsing, imbalance, comparison table."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from kvtide.benchmarks.report import (
     RequestResult,
     build_run_report,
     compare_markdown,
+    goodput_count,
     imbalance,
     metrics_delta,
     parse_metrics,
     percentile,
+    pick_baseline,
     summarize,
 )
 
@@ -89,7 +91,8 @@ def test_run_json_has_exactly_the_keys():
                               metrics=None)
     assert list(report) == list(RUN_KEYS) == [
         "workload", "policy", "num_requests", "num_errors", "duration_s", "requests_per_s", "output_tokens_per_s",
-        "ttft_s", "itl_s", "e2e_s", "prefix_cache_hit_rate", "requests_per_replica", "imbalance"]
+        "slo_ttft_s", "goodput_requests_per_s", "ttft_s", "itl_s", "e2e_s", "prefix_cache_hit_rate",
+        "requests_per_replica", "imbalance"]
     assert json.loads(json.dumps(report)) == report
     assert set(report["ttft_s"]) == {"p50", "p90", "p99", "mean"}
 
@@ -104,6 +107,35 @@ def test_run_json_numbers():
     assert r["ttft_s"]["p50"] == pytest.approx(0.2) and r["e2e_s"]["mean"] == pytest.approx(1.5)
     assert r["itl_s"]["mean"] == pytest.approx(0.02)
     assert (r["prefix_cache_hit_rate"], r["requests_per_replica"], r["imbalance"]) == (None, {}, None)
+
+
+FAILED = RequestResult(ok=False, start_s=0.0, e2e_s=0.1, ttft_s=0.05, error="HTTP 503")  # fast, yet no good
+NO_TOKEN = RequestResult(ok=True, start_s=0.0, e2e_s=0.2)  # a success that streamed no text has no TTFT
+
+
+@pytest.mark.parametrize("results, duration_s, expected", [
+    ([ok(0.1, 1.0), ok(0.5, 1.0), ok(1.0, 2.0)], 2.0, 1.5),   # all within 1 s (the bound is inclusive)
+    ([ok(1.5, 2.0), ok(3.0, 4.0)], 2.0, 0.0),                 # none
+    ([ok(0.2, 1.0), ok(1.2, 2.0), ok(0.9, 1.0), ok(2.0, 3.0)], 4.0, 0.5),  # mixed: 2 of 4 over 4 s
+    ([ok(0.2, 1.0), FAILED, FAILED, NO_TOKEN], 2.0, 0.5),    # errors and TTFT-less successes excluded
+    ([ok(0.2, 1.0)], 0.0, 0.0),                               # zero duration: no rate, not a division error
+    ([], 5.0, 0.0),                                           # no requests
+])
+def test_goodput_table(results, duration_s, expected):
+    """goodput = successes with TTFT <= slo_ttft_s, per second of the run; the SLO is recorded in the report."""
+    r = build_run_report(workload="w", policy="p", results=results, duration_s=duration_s, metrics=None,
+                         slo_ttft_s=1.0)
+    assert r["goodput_requests_per_s"] == pytest.approx(expected)
+    assert r["slo_ttft_s"] == 1.0
+    assert r["goodput_requests_per_s"] <= r["requests_per_s"]
+
+
+def test_goodput_follows_the_slo():
+    """A looser SLO admits more requests; the default SLO is 1 s."""
+    results = [ok(0.3, 1.0), ok(1.5, 2.0), ok(2.5, 3.0)]
+    assert [goodput_count(results, slo) for slo in (0.1, 1.0, 2.0, 3.0)] == [0, 1, 2, 3]
+    r = build_run_report(workload="w", policy="p", results=results, duration_s=1.0, metrics=None)
+    assert (r["slo_ttft_s"], r["goodput_requests_per_s"]) == (1.0, 1.0)
 
 
 def test_parse_ray_metrics_sums_cache_and_groups_by_replica():
@@ -155,3 +187,35 @@ def test_compare_markdown_has_ratios_vs_pow2():
     md = compare_markdown({"pow2": slow, "prefix_aware": fast})
     assert "| prefix_aware | 0.25× |" in md and "| pow2 | 1.00× |" in md
     assert "3.00×" in md  # hit rate 0.9 vs 0.3
+
+
+def _run(policy: str, ttft: float, num_ok: int) -> dict:
+    return build_run_report(workload="w", policy=policy, results=[ok(ttft, 1.0)] * num_ok, duration_s=2.0,
+                            metrics=None, slo_ttft_s=0.5)
+
+
+def test_compare_markdown_has_goodput_and_its_ratio():
+    """The table has a goodput column naming the SLO, and the ratio table its ratio to the baseline."""
+    md = compare_markdown({"bare": _run("bare", 0.4, 2), "prefix_aware": _run("prefix_aware", 0.1, 6)})
+    assert "goodput (req/s, TTFT ≤ 0.50 s)" in md
+    assert "| bare | 1.00 | 1.00 |" in md and "| prefix_aware | 3.00 | 3.00 |" in md
+    ratios = md.split("Ratios vs `bare`")[1]
+    assert "| prefix_aware | 0.25× | 0.25× | 3.00× | 3.00× | – |" in ratios
+
+
+@pytest.mark.parametrize("names, asked, expected", [
+    (["pow2", "bare", "prefix_aware"], None, "bare"),   # no kvtide at all is the first choice
+    (["prefix_aware", "pow2"], None, "pow2"),
+    (["prefix_aware", "ray_prefix"], None, "prefix_aware"),
+    (["bare", "pow2"], "pow2", "pow2"),                 # an explicit baseline that ran wins
+    (["bare", "pow2"], "missing", "bare"),
+])
+def test_baseline_is_bare_then_pow2_then_first(names, asked, expected):
+    """Ratios are against the explicit baseline if it ran, else bare, else pow2, else the first run."""
+    assert pick_baseline(names, asked) == expected
+
+
+def test_compare_markdown_lists_notes():
+    """Notes (what `bare` ran, which balancer) appear in the report as a list."""
+    md = compare_markdown({"bare": _run("bare", 0.4, 1)}, notes=["`bare`: 2 servers behind HAProxy"])
+    assert "- `bare`: 2 servers behind HAProxy" in md
