@@ -12,6 +12,8 @@ from fastapi.testclient import TestClient
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
+from fakes import FakeTokenizer
+
 from kvtide.config import parse_config
 from kvtide.deployments.admission import Deadline, admission_limits
 from kvtide.deployments.auth import ApiKeys
@@ -26,20 +28,6 @@ from kvtide.deployments.routing.trust import PREDICTED_CACHED_TOKENS_HEADER, Com
 CONFIG = parse_config({"model": "/m", "served_model_name": "m", "engine": {"max_model_len": 64}})
 
 
-class FakeTokenizer:
-    """One token per character: enough to check lengths, templates and limits."""
-
-    def __len__(self) -> int:
-        return 256
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return ([1] if add_special_tokens else []) + [ord(c) % 256 for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i) for i in ids)
-
-    def apply_chat_template(self, conversation, tokenize: bool, add_generation_prompt: bool) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in conversation) + "<assistant>"
 
 
 class FakeMetrics:

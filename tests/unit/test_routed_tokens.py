@@ -7,6 +7,8 @@ import json
 import pytest
 from ray.serve._private.constants import SERVE_INGRESS_ROUTER_HEADER_PREFIX
 
+from fakes import FakeTokenizer
+
 from kvtide.config import parse_config
 from kvtide.deployments.prompts import (
     MAX_ROUTED_TOKENS,
@@ -20,21 +22,6 @@ from kvtide.deployments.protocol import ApiError
 CONFIG = parse_config({"model": "/m", "served_model_name": "m", "engine": {"max_model_len": 64}})
 
 
-class CharTokenizer:
-    """One token per character; counts its calls so a test can prove it was skipped."""
-
-    calls = 0
-
-    def __len__(self) -> int:
-        return 256
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        self.calls += 1
-        return ([1] if add_special_tokens else []) + [ord(c) % 256 for c in text]
-
-    def apply_chat_template(self, conversation, tokenize: bool, add_generation_prompt: bool) -> str:
-        self.calls += 1
-        return "".join(f"<{m['role']}>{m['content']}" for m in conversation) + "<assistant>"
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -61,7 +48,7 @@ def test_a_missing_or_malformed_header_means_tokenize(value):
 @pytest.mark.parametrize(("endpoint", "body"), [("chat", CHAT), ("completions", COMPLETION)])
 def test_routed_tokens_give_the_same_prompt_without_tokenizing(endpoint, body):
     """The peer's tokens of a body build the same Prompt as tokenizing it, and the tokenizer is not called."""
-    tokenizer = CharTokenizer()
+    tokenizer = FakeTokenizer()
     builder = PromptBuilder(CONFIG, tokenizer)
     tokenized = builder.build(endpoint, body)
     calls = tokenizer.calls
@@ -80,13 +67,13 @@ def test_routed_tokens_still_pass_every_check(body, routed, code):
     """Checks that need no tokenizer run on routed tokens too: vocabulary, context budget, message count."""
     endpoint = "chat" if "messages" in body else "completions"
     with pytest.raises(ApiError) as err:
-        PromptBuilder(CONFIG, CharTokenizer()).build(endpoint, body, routed_tokens=routed)
+        PromptBuilder(CONFIG, FakeTokenizer()).build(endpoint, body, routed_tokens=routed)
     assert err.value.status == 400 and err.value.code == code
 
 
 def test_the_peer_leaves_the_header_out_when_empty_or_too_long():
     """No tokens (an invalid body) or more than MAX_ROUTED_TOKENS: no header, the replica tokenizes."""
-    builder = PromptBuilder(CONFIG, CharTokenizer())
+    builder = PromptBuilder(CONFIG, FakeTokenizer())
     assert builder.routed_tokens_header([]) == {}
     assert builder.routed_tokens_header([1] * (MAX_ROUTED_TOKENS + 1)) == {}
     assert decode_token_ids(builder.routed_tokens_header([5, 6])[ROUTED_TOKENS_HEADER]) == [5, 6]

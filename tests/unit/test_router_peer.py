@@ -15,6 +15,8 @@ from types import SimpleNamespace
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 from ray.serve.request_router import PendingRequest
 
+from fakes import FakeTokenizer
+
 from kvtide.config import parse_config
 from kvtide.deployments.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.messages import RoutingKey
@@ -36,17 +38,6 @@ DEPLOYMENT = DeploymentID(name="Engine", app_name="app")
 BODY = json.dumps({"model": "m", "prompt": "y" * 40, "max_tokens": 1}).encode()  # 41 tokens: 2 full blocks
 
 
-class FakeTokenizer:
-    """One token per character, after a BOS."""
-
-    def __len__(self) -> int:
-        return 256
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return ([1] if add_special_tokens else []) + [ord(c) % 256 for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i) for i in ids)
 
 
 class FakeReplica:

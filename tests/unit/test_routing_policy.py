@@ -7,8 +7,10 @@ from collections import Counter
 
 import pytest
 
-from kvtide.deployments.routing.block_hash import block_hashes
+from fakes import index_holding, snapshots
+
 from kvtide.config import RoutingConfig
+from kvtide.deployments.routing.block_hash import block_hashes
 from kvtide.deployments.routing.policy import rank_replicas
 from kvtide.deployments.routing.prefix_index import PrefixIndex
 from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
@@ -19,15 +21,12 @@ TUNE = RoutingConfig()
 
 
 def snaps(**loads: int) -> list[ReplicaSnapshot]:
-    return [ReplicaSnapshot(rid, num_ongoing_requests=n) for rid, n in loads.items()]
+    return snapshots(loads)
 
 
 def index_with(**held: int) -> PrefixIndex:
     """An index where replica r's engine holds the first held[r] blocks of PROMPT."""
-    index = PrefixIndex(TUNE.history_ttl_s)
-    for rid, n in held.items():
-        index.apply_digest(CacheDigest.from_hashes(rid, 1, 1, PROMPT[:n]))
-    return index
+    return index_holding(PROMPT, TUNE.history_ttl_s, held)
 
 
 def decide(snapshots, index, hashes=PROMPT, tunables=TUNE, seed=0, now_s=0.0):

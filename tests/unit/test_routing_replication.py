@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+from fakes import index_holding, snapshots
+
 from kvtide.config import RoutingConfig
 from kvtide.deployments.routing import rendezvous
 from kvtide.deployments.routing.block_hash import block_hashes
@@ -13,7 +15,6 @@ from kvtide.deployments.routing.policy import rank_replicas
 from kvtide.deployments.routing.prefix_index import PrefixIndex
 from kvtide.deployments.routing.replication import (MAX_SHARED_BLOCKS, PrefixDemand, common_prefix_blocks, group_key,
                                                      key_blocks_for, replica_count)
-from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
 
 BS = 32
 PROMPT = block_hashes(list(range(64 * BS)), BS)  # 64 blocks; its group key is block 4 (128 tokens)
@@ -24,16 +25,12 @@ GROUP = group_key(PROMPT, KEY_BLOCKS)
 IDS = [f"r{i}" for i in range(8)]
 
 
-def snaps(loads: dict[str, int]) -> list[ReplicaSnapshot]:
-    return [ReplicaSnapshot(rid, num_ongoing_requests=n) for rid, n in loads.items()]
+snaps = snapshots
 
 
 def index_with(**held: int) -> PrefixIndex:
     """Replica r's engine holds the first held[r] blocks of PROMPT."""
-    index = PrefixIndex(TUNE.history_ttl_s)
-    for rid, n in held.items():
-        index.apply_digest(CacheDigest.from_hashes(rid, 1, 1, PROMPT[:n]))
-    return index
+    return index_holding(PROMPT, TUNE.history_ttl_s, held)
 
 
 def demand_with(share: float, prompts=(PROMPT,), total: int = 100) -> PrefixDemand:

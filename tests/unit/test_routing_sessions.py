@@ -7,12 +7,14 @@ from collections import Counter
 
 import pytest
 
+from fakes import index_holding, snapshots
+
 from kvtide.config import RoutingConfig
 from kvtide.deployments.routing.block_hash import block_hashes
 from kvtide.deployments.routing.policy import RouterState, rank_replicas
 from kvtide.deployments.routing.prefix_index import PrefixIndex
 from kvtide.deployments.routing.sessions import SessionTable
-from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
+from kvtide.deployments.routing.snapshot import ReplicaSnapshot
 
 BS = 32
 PROMPT = block_hashes(list(range(64 * BS)), BS)
@@ -21,14 +23,11 @@ TTL_S = TUNE.session_ttl_s
 
 
 def snaps(**loads: int) -> list[ReplicaSnapshot]:
-    return [ReplicaSnapshot(rid, num_ongoing_requests=n) for rid, n in loads.items()]
+    return snapshots(loads)
 
 
 def index_with(**held: int) -> PrefixIndex:
-    index = PrefixIndex(TUNE.history_ttl_s)
-    for rid, n in held.items():
-        index.apply_digest(CacheDigest.from_hashes(rid, 1, 1, PROMPT[:n]))
-    return index
+    return index_holding(PROMPT, TUNE.history_ttl_s, held)
 
 
 def sessions_with(now_s: float = 0.0, **last: str) -> SessionTable:

@@ -1,0 +1,46 @@
+"""Fakes and builders shared by unit tests (imported by basename: `from fakes import ...`)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from kvtide.deployments.routing.block_hash import BlockHash
+from kvtide.deployments.routing.prefix_index import PrefixIndex
+from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
+
+
+class FakeTokenizer:
+    """One token per character (after a BOS): enough to check lengths, templates and limits.
+
+    `calls` counts encodes and template renderings, so a test can prove tokenizing was skipped.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return 256
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.calls += 1
+        return ([1] if add_special_tokens else []) + [ord(c) % 256 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, conversation, tokenize: bool, add_generation_prompt: bool) -> str:
+        self.calls += 1
+        return "".join(f"<{m['role']}>{m['content']}" for m in conversation) + "<assistant>"
+
+
+def snapshots(loads: dict[str, int]) -> list[ReplicaSnapshot]:
+    """One replica snapshot per id, with that many requests in flight."""
+    return [ReplicaSnapshot(rid, num_ongoing_requests=n) for rid, n in loads.items()]
+
+
+def index_holding(prompt: Sequence[BlockHash], ttl_s: float, held: dict[str, int]) -> PrefixIndex:
+    """An index where replica r's engine holds the first held[r] blocks of `prompt`."""
+    index = PrefixIndex(ttl_s)
+    for rid, n in held.items():
+        index.apply_digest(CacheDigest.from_hashes(rid, 1, 1, prompt[:n]))
+    return index
