@@ -38,6 +38,19 @@ def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return i
 
 
+def fleet_view(views: Iterable[object]) -> list[tuple[Sequence[int], float]]:
+    """One hot-prefix list from every router's own (a broadcast's results; failures skipped).
+
+    Each routing peer (one per node) or ingress replica sees only the traffic it routes, so a
+    new replica asks all of them; `plan_warmup` sums the hits of a prefix several report.
+    """
+    merged: list[tuple[Sequence[int], float]] = []
+    for view in views:
+        if isinstance(view, list):
+            merged.extend(view)
+    return merged
+
+
 def _merge(hot_prefixes: Iterable[tuple[Sequence[int], int]], block_size: int) -> dict[tuple[int, ...], int]:
     """Duplicates summed; cut to whole blocks (vLLM caches only full blocks); empty or hitless dropped."""
     merged: dict[tuple[int, ...], int] = {}

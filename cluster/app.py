@@ -26,7 +26,9 @@ from kvtide.deployments.router import PrefixAwareRouter, RoundRobinRouter
 
 # How long a stopping engine replica may drain when requests have no deadline.
 DRAIN_TIMEOUT_WITHOUT_DEADLINE_S = 600.0
-UNBOUNDED_SERVE_QUEUE = -1  # Serve's value for "no max_queued_requests"
+# Serve slots above the admission gate in direct mode, for bursts (and probes, /v1/models):
+# a slot costs nothing, and a request refused by the gate holds one for microseconds.
+DIRECT_BURST_SLOTS = 512
 
 
 def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
@@ -38,16 +40,16 @@ def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
         "placement_group_bundles": placement_bundles(config),
         "placement_group_strategy": "STRICT_PACK",
         # Each replica batches in vLLM; Serve's queue cap only bounds what is in flight. In
-        # direct mode HTTP requests take these slots too: above the replica's admission gate.
-        "max_ongoing_requests": (limits.ingress_max_ongoing_requests if config.http.mode == "direct"
+        # direct mode HTTP requests take these slots too, far above the replica's admission
+        # gate: a burst gets slots at once and the gate answers the excess with OpenAI-JSON
+        # 429s; only past gate + DIRECT_BURST_SLOTS (+ the queue below) does Serve refuse
+        # with its own plain-text 429.
+        "max_ongoing_requests": (limits.max_ongoing_requests + DIRECT_BURST_SLOTS if config.http.mode == "direct"
                                  else max(2 * config.engine.max_num_seqs, 8)),
         # Ingress mode: past this many requests waiting for a replica at one ingress's handle
         # (engines missing: died, not scaled up yet), the handle raises BackPressureError → 429.
-        # Direct mode: unbounded, so that the admission gate is the only one that refuses and
-        # every 429 is OpenAI JSON (Serve's own queue refusal is a plain-text body). A burst
-        # past the slot cap waits for a slot, which the gate frees at once by refusing;
-        # HAProxy's maxconn (4096 by default) bounds how many connections can wait at all.
-        "max_queued_requests": (UNBOUNDED_SERVE_QUEUE if config.http.mode == "direct"
+        # Direct mode: requests past the slots wait here, up to the gate's size.
+        "max_queued_requests": (limits.max_ongoing_requests if config.http.mode == "direct"
                                 else limits.max_queued_requests_per_handle),
         "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=limits.retry_after_s),
         "health_check_period_s": 10,

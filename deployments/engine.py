@@ -25,7 +25,7 @@ from kvtide.config import KvtideConfig, parse_config
 from kvtide.deployments.demo_model import resolve_model
 from kvtide.deployments.placement import cpu_threads_bind, engine_kwargs
 from kvtide.autoscaling.replica_stats import replica_autoscaling_stats
-from kvtide.autoscaling.warm_start import plan_warmup
+from kvtide.autoscaling.warm_start import fleet_view, plan_warmup
 from kvtide.deployments.kv_cache_tracker import KvCacheTracker
 from kvtide.deployments.kv_events import KvEventListener, new_ipc_endpoint
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest
@@ -119,17 +119,21 @@ class EngineReplica:
             await asyncio.sleep(GAUGE_REFRESH_S)
 
     async def _warm_start(self) -> None:
-        """Prefill the fleet's hottest shared prefixes (from HOT_PREFIX_SOURCE's view) before serving."""
+        """Prefill the fleet's hottest shared prefixes (all HOT_PREFIX_SOURCE replicas' views) before serving."""
         warm = self.config.autoscaling.warm_start
         if not (warm.enabled and warm.token_budget > 0 and self.config.engine.enable_prefix_caching):
             return
         try:
             app_name = serve.get_replica_context().app_name
             source = serve.get_deployment_handle(self.HOT_PREFIX_SOURCE, app_name=app_name)
-            hot = await asyncio.wait_for(source.hot_prefixes.remote(), timeout=WARM_START_LOOKUP_TIMEOUT_S)
+            # Every router replica (one routing peer per node, or each ingress replica) sees
+            # only what it routes: ask them all, and merge.
+            views = await source.broadcast("hot_prefixes").results_async(
+                timeout_s=WARM_START_LOOKUP_TIMEOUT_S, return_exceptions=True)
         except Exception as exc:  # no ingress/router yet (first deploy) or it is busy: start cold
             logger.info("warm start skipped: no hot-prefix list (%s)", type(exc).__name__)
             return
+        hot = fleet_view(views)
         block_size = self.config.engine.block_size
         capacity_tokens = (self.engine.vllm_config.cache_config.num_gpu_blocks or 0) * block_size
         plan = plan_warmup(hot, warm.token_budget, capacity_tokens, warm.max_prefixes,

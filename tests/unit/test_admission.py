@@ -130,12 +130,15 @@ def test_serve_never_caps_the_ingress_below_the_admission_gate(num_replicas, max
     assert ingress_deployment_options(config)["max_ongoing_requests"] > gate
 
 
-def test_direct_mode_serve_queue_never_refuses_before_the_gate():
-    """Direct mode: Serve's replica queue is unbounded, so every 429 is the gate's OpenAI JSON, not Serve's plain text."""
+def test_direct_mode_serve_slots_leave_refusing_to_the_gate():
+    """Direct mode: a burst of 500 above the gate gets Serve slots, so its 429s are the gate's OpenAI JSON."""
     from kvtide.cluster.app import engine_deployment_options
 
-    direct = engine_deployment_options(_config(engine={"max_num_seqs": 4}, replicas={"num_replicas": 1}))
-    assert direct["max_queued_requests"] == -1
+    config = _config(engine={"max_num_seqs": 4}, replicas={"num_replicas": 1})
+    direct = engine_deployment_options(config)
+    gate = admission_limits(config).max_ongoing_requests
+    assert direct["max_ongoing_requests"] >= gate + 500
+    assert direct["max_queued_requests"] == gate
     via_ingress = engine_deployment_options(_config(http={"mode": "ingress"}, engine={"max_num_seqs": 4},
                                                     replicas={"num_replicas": 1}))
     assert via_ingress["max_queued_requests"] == admission_limits(

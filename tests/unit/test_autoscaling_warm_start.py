@@ -75,3 +75,15 @@ def test_nothing_to_do(budget, capacity, max_prefixes):
 def test_hitless_and_empty_prefixes_are_ignored():
     """Prefixes with no hits or no tokens are never prefilled."""
     assert plan_warmup([([], 9), (SYSTEM, 0)], 1000, 10_000, 4) == []
+
+
+def test_the_fleet_view_merges_every_routers_list_and_skips_failures():
+    """Two routers that each saw a prefix count it twice; a router that failed to answer is skipped."""
+    from kvtide.autoscaling.warm_start import fleet_view
+
+    a, b = [1, 2, 3, 4], [9, 9, 9, 9]
+    views = [[(a, 3.0)], RuntimeError("replica gone"), [(a, 2.0), (b, 4.0)]]
+    merged = fleet_view(views)
+    assert merged == [(a, 3.0), (a, 2.0), (b, 4.0)]
+    # a: 5 hits over the fleet beats b's 4, though the second router alone ranks b first.
+    assert plan_warmup(merged, token_budget=4, kv_capacity_tokens=100, max_prefixes=1, max_kv_fraction=1.0) == [a]
