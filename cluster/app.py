@@ -29,6 +29,7 @@ DRAIN_TIMEOUT_WITHOUT_DEADLINE_S = 600.0
 # Serve slots above the admission gate in direct mode, for bursts (and probes, /v1/models):
 # a slot costs nothing, and a request refused by the gate holds one for microseconds.
 DIRECT_BURST_SLOTS = 512
+UNBOUNDED_SERVE_QUEUE = -1  # Serve's value for "no max_queued_requests"
 
 
 def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
@@ -42,14 +43,17 @@ def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
         # Each replica batches in vLLM; Serve's queue cap only bounds what is in flight. In
         # direct mode HTTP requests take these slots too, far above the replica's admission
         # gate: a burst gets slots at once and the gate answers the excess with OpenAI-JSON
-        # 429s; only past gate + DIRECT_BURST_SLOTS (+ the queue below) does Serve refuse
-        # with its own plain-text 429.
+        # 429s, and a routing peer never sees the replica "full" and backs off (Serve's
+        # router waits while a replica's ongoing requests are at this cap).
         "max_ongoing_requests": (limits.max_ongoing_requests + DIRECT_BURST_SLOTS if config.http.mode == "direct"
                                  else max(2 * config.engine.max_num_seqs, 8)),
         # Ingress mode: past this many requests waiting for a replica at one ingress's handle
         # (engines missing: died, not scaled up yet), the handle raises BackPressureError → 429.
-        # Direct mode: requests past the slots wait here, up to the gate's size.
-        "max_queued_requests": (limits.max_ongoing_requests if config.http.mode == "direct"
+        # Direct mode: unbounded. Serve counts every request of a simultaneous burst as queued
+        # while it awaits its slot, free or not, and past this limit answers a plain-text 429
+        # itself (seen in CI: a burst of 128 against a limit of 8), before the gate can answer
+        # with OpenAI JSON. HAProxy's maxconn (4096 by default) bounds how many can wait.
+        "max_queued_requests": (UNBOUNDED_SERVE_QUEUE if config.http.mode == "direct"
                                 else limits.max_queued_requests_per_handle),
         "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=limits.retry_after_s),
         "health_check_period_s": 10,
