@@ -115,12 +115,16 @@ def stop(drain_timeout_s: float = STOP_DRAIN_TIMEOUT_S) -> None:
     from ray import serve
 
     started = psutil.Process().children(recursive=True)
-    drain = threading.Thread(target=lambda: _suppressed(serve.shutdown), name="kvtide-serve-shutdown", daemon=True)
-    drain.start()
-    drain.join(drain_timeout_s)
-    if drain.is_alive():
-        logger.warning("Serve did not drain within %.0f s; stopping Ray under the requests in flight",
-                       drain_timeout_s)
+    # A start interrupted by a signal may have disconnected from Ray already; serve.shutdown()
+    # would then start a new local Ray instance just to find nothing to stop.
+    if ray.is_initialized():
+        drain = threading.Thread(target=lambda: _suppressed(serve.shutdown), name="kvtide-serve-shutdown",
+                                 daemon=True)
+        drain.start()
+        drain.join(drain_timeout_s)
+        if drain.is_alive():
+            logger.warning("Serve did not drain within %.0f s; stopping Ray under the requests in flight",
+                           drain_timeout_s)
     ray.shutdown()
     leftovers = [p for p in started + psutil.Process().children(recursive=True) if p.is_running()]
     _, alive = psutil.wait_procs(leftovers, timeout=STOP_KILL_AFTER_S)
