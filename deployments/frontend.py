@@ -111,7 +111,7 @@ class OpenAIFrontend:
         # Direct mode only: there HAProxy strips the router's headers from clients and the
         # routing peer sets them (prompts.ROUTED_TOKENS_HEADER, and the router's prediction,
         # trust.PREDICTED_CACHED_TOKENS_HEADER); an ingress replica tokenizes itself.
-        self.trust_routed_tokens = False
+        self.trust_router_headers = False
 
     # ---- entry --------------------------------------------------------------------------
 
@@ -148,17 +148,15 @@ class OpenAIFrontend:
             if not streaming:  # a stream's body releases the gate when it ends
                 ticket.release()
 
+    def _router_header(self, request: Any, name: str) -> str | None:
+        """A header the routing peer set (direct mode, via HAProxy); None where it cannot be trusted."""
+        return request.headers.get(name) if self.trust_router_headers else None
+
     def _routed_tokens(self, request: Any) -> list[int] | None:
-        """The routing peer's token ids of this body (direct mode, set by HAProxy), if trusted and present."""
-        if not self.trust_routed_tokens:
-            return None
-        return decode_token_ids(request.headers.get(ROUTED_TOKENS_HEADER))
+        return decode_token_ids(self._router_header(request, ROUTED_TOKENS_HEADER))
 
     def _routed_prediction(self, request: Any) -> Prediction | None:
-        """The routing peer's predicted cached tokens (direct mode, set by HAProxy), if trusted and present."""
-        if not self.trust_routed_tokens:
-            return None
-        return decode_prediction_header(request.headers.get(PREDICTED_CACHED_TOKENS_HEADER))
+        return decode_prediction_header(self._router_header(request, PREDICTED_CACHED_TOKENS_HEADER))
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{

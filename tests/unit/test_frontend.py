@@ -228,7 +228,7 @@ def test_routed_tokens_header_is_used_only_where_trusted(trusted, expected_promp
 
     frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
                               LocalEngineClient(generate, admission_limits(CONFIG)), FakeMetrics(), None)
-    frontend.trust_routed_tokens = trusted
+    frontend.trust_router_headers = trusted
 
     async def ready() -> bool:
         return True
@@ -326,7 +326,7 @@ def test_predicted_cached_tokens_header_is_compared_only_where_trusted(stream, t
     metrics = FakeMetrics()
     frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
                               LocalEngineClient(generate, admission_limits(CONFIG)), metrics, None)
-    frontend.trust_routed_tokens = trusted
+    frontend.trust_router_headers = trusted
 
     async def ready() -> bool:
         return True
