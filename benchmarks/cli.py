@@ -4,7 +4,11 @@
     kvtide bench compare --config FILE --policies bare,pow2,ray_prefix,prefix_aware ... --out DIR
 
 `run` measures any OpenAI-compatible server on loopback. `compare` runs the same
-workload with the same seed once per entry of --policies, each on a fresh server:
+workload with the same seed once per entry of --policies, each on a fresh server.
+`compare` also sweeps: --workload and --rate / --concurrency take comma-separated lists,
+and each server runs every workload at every load in turn (one start per policy, as
+engines take minutes to start on a GPU). Point i of the sweep uses seed --seed + i, so a
+point's prompts are new to caches the previous point filled, and equal across policies:
 
     bare          no kvtide: N independent bare vLLM OpenAI servers with kvtide's engine
                   flags (N = replicas.num_replicas, or max_replicas when autoscaling),
@@ -57,6 +61,7 @@ from kvtide.benchmarks.workloads import (
     build_workload,
     calibrate_tokens_per_word,
     make_params,
+    oracle_hit_rate,
 )
 
 if TYPE_CHECKING:
@@ -73,12 +78,38 @@ MetricsSource = Union[str, Mapping[str, str], None]
 
 # ---- flags ------------------------------------------------------------------------------------
 
-def _add_workload_flags(p: argparse.ArgumentParser) -> None:
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOAD_PARAMS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"workloads are {', '.join(WORKLOAD_PARAMS)}; got {text!r}")
+    return names
+
+
+def _numbers(kind: type) -> Any:
+    def parse(text: str) -> list[Any]:
+        try:
+            values = [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+        if not values or any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+        return values
+    return parse
+
+
+def _add_workload_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g = p.add_argument_group("workload (defaults: SGLang generated-shared-prefix 64×16, 2048/128/256)")
-    g.add_argument("--workload", required=True, choices=list(WORKLOAD_PARAMS))
+    if sweep:
+        g.add_argument("--workload", required=True, type=_names,
+                       help=f"comma-separated, run in turn on each server: {', '.join(WORKLOAD_PARAMS)}")
+    else:
+        g.add_argument("--workload", required=True, choices=list(WORKLOAD_PARAMS))
     g.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     g.add_argument("--num-groups", type=int, help="shared-prefix: groups (distinct system prompts)")
     g.add_argument("--prompts-per-group", type=int, help="shared-prefix: requests per group")
+    g.add_argument("--zipf-s", type=float,
+                   help="shared-prefix: Zipf exponent of group popularity (0, the default: equal groups)")
     g.add_argument("--system-prompt-len", type=int, help="shared-prefix, multi-turn: system prompt tokens")
     g.add_argument("--question-len", type=int, help="shared-prefix, multi-turn: question tokens")
     g.add_argument("--output-len", type=int, help="output tokens (max_tokens)")
@@ -92,11 +123,15 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", help="local HF tokenizer dir to calibrate tokens per word (e.g. the served model)")
 
 
-def _add_load_flags(p: argparse.ArgumentParser) -> None:
+def _add_load_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g = p.add_argument_group("load")
     mode = g.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--rate", type=float, help="open loop: Poisson arrivals, requests/s")
-    mode.add_argument("--concurrency", type=int, help="closed loop: requests in flight")
+    if sweep:
+        mode.add_argument("--rate", type=_numbers(float), help="open loop: Poisson arrivals, requests/s (a list sweeps)")
+        mode.add_argument("--concurrency", type=_numbers(int), help="closed loop: requests in flight (a list sweeps)")
+    else:
+        mode.add_argument("--rate", type=float, help="open loop: Poisson arrivals, requests/s")
+        mode.add_argument("--concurrency", type=int, help="closed loop: requests in flight")
     g.add_argument("--duration", type=float, default=60.0, help="stop sending after this many seconds")
     g.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
     g.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help="per request, seconds")
@@ -135,19 +170,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cmp_p.add_argument("--bare-balancer", choices=("auto", "haproxy", "python"), default="auto",
                        help="bare's balancer: HAProxy if a binary is found (auto), or the Python round-robin proxy")
     cmp_p.add_argument("--out", required=True, help="output directory")
-    _add_workload_flags(cmp_p)
-    _add_load_flags(cmp_p)
+    cmp_p.add_argument("--hardware", help="what it ran on, for the report (e.g. '2 × NVIDIA H200')")
+    _add_workload_flags(cmp_p, sweep=True)
+    _add_load_flags(cmp_p, sweep=True)
     cmp_p.set_defaults(func=cmd_compare)
 
 
 # ---- shared steps -----------------------------------------------------------------------------
 
-def workload_from_args(args: argparse.Namespace) -> Workload:
+def workload_from_args(args: argparse.Namespace, name: str | None = None, seed_offset: int = 0) -> Workload:
+    """The workload the flags describe (`name` for one of a sweep's), seeded --seed + seed_offset."""
+    name = name or args.workload
     tokens_per_word = args.tokens_per_word
     if tokens_per_word is None:
         tokens_per_word = calibrate_tokens_per_word(args.tokenizer) if args.tokenizer else DEFAULT_TOKENS_PER_WORD
-    params = make_params(args.workload, **vars(args))
-    workload = build_workload(args.workload, params, seed=args.seed, tokens_per_word=tokens_per_word)
+    params = make_params(name, **vars(args))
+    workload = build_workload(name, params, seed=args.seed + seed_offset, tokens_per_word=tokens_per_word)
     if args.max_requests is not None:
         workload = Workload(workload.name, workload.params, workload.seed, workload.requests[: args.max_requests])
     return workload
@@ -193,22 +231,45 @@ async def _warmup(base_url: str, model: str | None, endpoint: str, count: int) -
     return sum(r.ok for r in load.results)
 
 
+@dataclass(frozen=True)
+class Load:
+    """One load level: open loop at `rate` requests/s, or closed loop with `concurrency` in flight."""
+
+    rate: float | None = None
+    concurrency: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"rate {self.rate:g}" if self.rate is not None else f"concurrency {self.concurrency}"
+
+
+def loads_from_args(args: argparse.Namespace) -> list[Load]:
+    """The load levels of --rate / --concurrency (one number, or a sweep's list)."""
+    if args.rate is not None:
+        return [Load(rate=r) for r in (args.rate if isinstance(args.rate, list) else [args.rate])]
+    return [Load(concurrency=c) for c in (args.concurrency if isinstance(args.concurrency, list) else [args.concurrency])]
+
+
 async def bench_once(base_url: str, metrics: MetricsSource, workload: Workload, policy: str | None,
-                     args: argparse.Namespace, model: str | None = None) -> tuple[dict[str, Any], LoadResult]:
+                     args: argparse.Namespace, model: str | None = None, load_level: Load | None = None,
+                     warmup: int | None = None) -> tuple[dict[str, Any], LoadResult]:
     """Warm up, scrape, run the workload, scrape again after the counters settle; the run JSON and raw results."""
+    level = load_level or loads_from_args(args)[0]
     async with httpx.AsyncClient(timeout=10.0) as client:
         # The export lags: "before" must already include the warm-up, or it counts in the run.
         initial = await scrape(client, metrics)
-        num_warm_ok = await _warmup(base_url, model, args.endpoint, args.warmup)
+        num_warm_ok = await _warmup(base_url, model, args.endpoint, args.warmup if warmup is None else warmup)
         before = await _settled_after(client, metrics, initial, num_warm_ok, args.metrics_settle)
-        load = await run_load(base_url, workload.requests, duration_s=args.duration, rate=args.rate,
-                              concurrency=args.concurrency, model=model, endpoint=args.endpoint, seed=args.seed,
+        load = await run_load(base_url, workload.requests, duration_s=args.duration, rate=level.rate,
+                              concurrency=level.concurrency, model=model, endpoint=args.endpoint, seed=workload.seed,
                               request_timeout_s=args.request_timeout, progress=not args.no_progress)
         num_ok = sum(r.ok for r in load.results)
         after = await _settled_after(client, metrics, before, num_ok, args.metrics_settle)
+    sent = workload.requests[: len(load.results)]  # both loops send a prefix of the list, in order
     report = build_run_report(workload=workload.name, policy=policy, results=load.results,
                               duration_s=load.duration_s, metrics=metrics_delta(before, after),
-                              slo_ttft_s=args.slo_ttft_s)
+                              slo_ttft_s=args.slo_ttft_s, offered_rate_per_s=level.rate,
+                              concurrency=level.concurrency, oracle_hit_rate=oracle_hit_rate(sent))
     return report, load
 
 
@@ -289,8 +350,8 @@ def serving(policy: str, config: KvtideConfig, out: Path, args: argparse.Namespa
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from kvtide.benchmarks.plots import write_plots
-    from kvtide.benchmarks.report import RequestResult, compare_markdown
+    from kvtide.benchmarks.plots import write_plots, write_sweep_plots
+    from kvtide.benchmarks.report import RequestResult, compare_markdown, sweep_markdown
     from kvtide.cluster.cli import default_config_path
 
     policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
@@ -299,24 +360,38 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return 2
     config_path = args.config or default_config_path()
     configs = {p: policy_config(config_path, args.overrides, p) for p in policies}
-    workload = workload_from_args(args)
+    points = [(name, level) for name in args.workload for level in loads_from_args(args)]
+    workloads = [workload_from_args(args, name, seed_offset=i) for i, (name, _) in enumerate(points)]
+    sweep = len(points) > 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict[str, Any]] = {}
+    # {point label: {policy: run JSON}}; a single point keeps the flat {policy: run JSON}.
+    results: dict[str, dict[str, dict[str, Any]]] = {}
     samples: dict[str, list[RequestResult]] = {}
     notes: list[str] = []
     for policy, config in configs.items():
         print(f"kvtide bench compare: starting {policy} ...", flush=True)
         with serving(policy, config, out, args) as target:
-            report, load = asyncio.run(bench_once(target.base_url, target.metrics, workload, policy, args,
-                                                  target.model_name))
+            for i, ((name, level), workload) in enumerate(zip(points, workloads)):
+                report, load = asyncio.run(bench_once(target.base_url, target.metrics, workload, policy, args,
+                                                      target.model_name, level, args.warmup if i == 0 else 0))
+                label = f"{name} @ {level.label}"
+                results.setdefault(label, {})[policy] = report
+                stem = f"{policy}.{name}.{level.label.replace(' ', '')}" if sweep else policy
+                _write_samples(out / f"{stem}.requests.jsonl", load)
+                samples[policy] = load.results
+                # After each point: a crash keeps finished runs.
+                _write_json(out / "results.json", results if sweep else results[label])
+                print(f"{label}: {_one_line(report)}", flush=True)
         notes += [target.note] if target.note else []
-        results[policy], samples[policy] = report, load.results
-        _write_samples(out / f"{policy}.requests.jsonl", load)
-        _write_json(out / "results.json", results)  # after each policy: a crash keeps finished runs
-        print(_one_line(report), flush=True)
     command = "kvtide " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else None
-    (out / "report.md").write_text(compare_markdown(results, command=command, notes=notes))
-    write_plots(results, samples, out)
+    if sweep:
+        text = sweep_markdown(results, command=command, notes=notes, hardware=args.hardware)
+        write_sweep_plots(results, out)
+    else:
+        flat = next(iter(results.values()))
+        text = compare_markdown(flat, command=command, notes=notes, hardware=args.hardware)
+        write_plots(flat, samples, out)
+    (out / "report.md").write_text(text)
     print(f"kvtide bench compare: wrote {out}/results.json, report.md and plots")
     return 0

@@ -226,6 +226,9 @@ def level_summary(results: list[Any], duration_s: float) -> dict[str, Any]:
         "ttft_s": summarize([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_mean_s": sum(pace) / len(pace) if pace else None,
         "itl_p99_s": gaps["p99"],
+        # Whole-request latency: a server that starts prefills sooner shows a lower TTFT and a
+        # higher ITL mean (decode steps shared with prefill chunks) at the same e2e.
+        "e2e_s": summarize([r.e2e_s for r in ok]),
         "output_tokens_per_s": sum(r.num_output_tokens for r in ok) / duration_s if duration_s > 0 else None,
     }
 
@@ -264,8 +267,8 @@ def markdown(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Names
              f"{args.num_requests}+ requests or {args.duration:.0f} s per level. Milliseconds; ratios are to bare "
              "vLLM at the same concurrency.", "",
              "| server | conc. | requests (errors) | TTFT p50 | TTFT p99 | ITL mean | ITL p99 | output tok/s "
-             "| TTFT p50 − vLLM | ITL mean / vLLM | tok/s / vLLM |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| e2e p50 | TTFT p50 − vLLM | ITL mean / vLLM | tok/s / vLLM | e2e p50 / vLLM |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = results.get("vllm", {})
     for server, levels in results.items():
         for c, r in levels.items():
@@ -273,11 +276,12 @@ def markdown(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Names
             ttft, b_ttft = r["ttft_s"]["p50"], (b.get("ttft_s") or {}).get("p50")
             delta = "–" if ttft is None or b_ttft is None else f"{(ttft - b_ttft) * 1000:+.1f}"
             tps = r["output_tokens_per_s"]
+            e2e, b_e2e = (r.get("e2e_s") or {}).get("p50"), (b.get("e2e_s") or {}).get("p50")
             lines.append(f"| {server} | {c} | {r['num_requests']} ({r['num_errors']}) | {_ms(ttft)} "
                          f"| {_ms(r['ttft_s']['p99'])} | {_ms(r['itl_mean_s'])} | {_ms(r['itl_p99_s'])} "
-                         f"| {'–' if tps is None else f'{tps:.0f}'} | {delta} "
+                         f"| {'–' if tps is None else f'{tps:.0f}'} | {_ms(e2e)} | {delta} "
                          f"| {_ratio(r['itl_mean_s'], b.get('itl_mean_s'))} "
-                         f"| {_ratio(tps, b.get('output_tokens_per_s'))} |")
+                         f"| {_ratio(tps, b.get('output_tokens_per_s'))} | {_ratio(e2e, b_e2e)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -348,6 +352,15 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # one server failing to start must not lose the others' numbers
             print(f"overhead: {server} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             failed[server] = f"{type(exc).__name__}: {exc}"[:300]
+        write_report(results, bench, failed, args, argv, config.model, kwargs, log_dir, final=False)
+    write_report(results, bench, failed, args, argv, config.model, kwargs, log_dir)
+    return 1 if failed else 0
+
+
+def write_report(results: dict[str, dict[int, dict[str, Any]]], bench: dict[str, dict[str, Any]],
+                 failed: dict[str, str], args: argparse.Namespace, argv: list[str] | None, model: str,
+                 kwargs: dict[str, Any], log_dir: Path, final: bool = True) -> None:
+    """report.md and results.json so far (called after every server: a killed run keeps finished servers)."""
     command = "python -m kvtide.benchmarks.overhead " + shlex.join(argv if argv is not None else sys.argv[1:])
     text = markdown(results, args, command, args.hardware)
     if bench:
@@ -359,13 +372,13 @@ def main(argv: list[str] | None = None) -> int:
             text += f"| {server} | {tps:.0f} | {_ratio(tps, base)} | {b['ttft_p50_s'] * 1000:.1f} |\n"
     if failed:
         text += "\nFailed to run: " + "; ".join(f"{k}: {v}" for k, v in failed.items()) + "\n"
-    print(text)
+    if final:
+        print(text)
     if args.out_dir:
         (log_dir / "report.md").write_text(text)
         (log_dir / "results.json").write_text(json.dumps(
-            {"hardware": args.hardware, "command": command, "model": config.model, "engine": kwargs,
+            {"hardware": args.hardware, "command": command, "model": model, "engine": kwargs,
              "results": results, "vllm_bench_serve": bench, "failed": failed}, indent=2, default=str) + "\n")
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -58,6 +58,36 @@ def write_plots(results: Mapping[str, Mapping[str, Any]], samples: Mapping[str, 
     return paths
 
 
+def write_sweep_plots(points: Mapping[str, Mapping[str, Mapping[str, Any]]], out_dir: str | Path) -> list[Path]:
+    """Per workload of an open-loop sweep, <workload>_sweep.png: goodput and TTFT p90 against offered rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves: dict[str, dict[str, list[tuple[float, Mapping[str, Any]]]]] = {}
+    for runs in points.values():
+        for policy, r in runs.items():
+            if r.get("offered_rate_per_s") is not None:
+                curves.setdefault(r["workload"], {}).setdefault(policy, []).append((r["offered_rate_per_s"], r))
+    paths = []
+    for workload, by_policy in curves.items():
+        fig, (good, p90) = plt.subplots(1, 2, figsize=(10, 4))
+        for policy, pts in by_policy.items():
+            pts.sort(key=lambda pt: pt[0])
+            rates = [rate for rate, _ in pts]
+            good.plot(rates, [r["goodput_requests_per_s"] for _, r in pts], marker="o", label=policy)
+            p90.plot(rates, [r["ttft_s"]["p90"] or float("nan") for _, r in pts], marker="o", label=policy)
+        slo = next(iter(by_policy.values()))[0][1].get("slo_ttft_s")
+        good.set(xlabel="offered load (req/s)", ylabel="goodput (req/s)", title=f"{workload}: goodput (TTFT ≤ {slo:g} s)")
+        p90.set(xlabel="offered load (req/s)", ylabel="TTFT p90 (s)", title=f"{workload}: TTFT p90", yscale="log")
+        for ax in (good, p90):
+            ax.grid(alpha=0.3)
+            ax.legend()
+        paths.append(_save(fig, Path(out_dir) / f"{workload}_sweep.png"))
+    return paths
+
+
 def _save(fig: Any, path: Path) -> Path:
     import matplotlib.pyplot as plt
 

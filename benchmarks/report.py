@@ -3,6 +3,8 @@
 The run JSON has exactly these keys (`RUN_KEYS`), whatever server was measured:
 
     workload, policy                      what ran (policy null when unknown, e.g. bare vLLM)
+    offered_rate_per_s, concurrency       the load: open-loop Poisson rate, or closed-loop
+                                          requests in flight (the other one null)
     num_requests, num_errors              finished requests (ok + failed), failed ones
     duration_s                            first send → last response
     requests_per_s, output_tokens_per_s   successful requests / output tokens per second
@@ -12,6 +14,8 @@ The run JSON has exactly these keys (`RUN_KEYS`), whatever server was measured:
                                           token has no TTFT and misses it)
     ttft_s, itl_s, e2e_s                  {p50, p90, p99, mean} in seconds, null fields if no samples
     prefix_cache_hit_rate                 engine prefix-cache hits / queries over the run (tokens)
+    oracle_hit_rate                       the hit rate of one infinite fleet-wide cache on the
+                                          requests sent (workloads.oracle_hit_rate): the ceiling
     requests_per_replica                  {replica id: requests finished there over the run}
     imbalance                             max / mean of requests_per_replica
 
@@ -38,9 +42,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 RUN_KEYS = (
-    "workload", "policy", "num_requests", "num_errors", "duration_s", "requests_per_s", "output_tokens_per_s",
+    "workload", "policy", "offered_rate_per_s", "concurrency", "num_requests", "num_errors", "duration_s", "requests_per_s", "output_tokens_per_s",
     "slo_ttft_s", "goodput_requests_per_s", "ttft_s", "itl_s", "e2e_s", "prefix_cache_hit_rate",
-    "requests_per_replica", "imbalance",
+    "oracle_hit_rate", "requests_per_replica", "imbalance",
 )
 STAT_KEYS = ("p50", "p90", "p99", "mean")
 # A chat user notices a first token later than about a second; override per run (--slo-ttft-s).
@@ -166,7 +170,9 @@ def goodput_count(results: Iterable[RequestResult], slo_ttft_s: float) -> int:
 
 
 def build_run_report(*, workload: str, policy: str | None, results: Iterable[RequestResult], duration_s: float,
-                     metrics: MetricsSample | None, slo_ttft_s: float = DEFAULT_SLO_TTFT_S) -> dict[str, Any]:
+                     metrics: MetricsSample | None, slo_ttft_s: float = DEFAULT_SLO_TTFT_S,
+                     offered_rate_per_s: float | None = None, concurrency: int | None = None,
+                     oracle_hit_rate: float | None = None) -> dict[str, Any]:
     """The run JSON (exactly `RUN_KEYS`) from per-request results and the metrics delta (None: no metrics URL)."""
     results = list(results)
     ok = [r for r in results if r.ok]
@@ -182,6 +188,8 @@ def build_run_report(*, workload: str, policy: str | None, results: Iterable[Req
     report = {
         "workload": workload,
         "policy": policy,
+        "offered_rate_per_s": offered_rate_per_s,
+        "concurrency": concurrency,
         "num_requests": len(results),
         "num_errors": len(results) - len(ok),
         "duration_s": duration_s,
@@ -193,6 +201,7 @@ def build_run_report(*, workload: str, policy: str | None, results: Iterable[Req
         "itl_s": summarize(itls),
         "e2e_s": summarize([r.e2e_s for r in ok]),
         "prefix_cache_hit_rate": hit_rate,
+        "oracle_hit_rate": oracle_hit_rate,
         "requests_per_replica": per_replica,
         "imbalance": imbalance(per_replica),
     }
@@ -224,32 +233,24 @@ def pick_baseline(names: Sequence[str], baseline: str | None = None) -> str:
     return names[0]
 
 
-def compare_markdown(results: Mapping[str, Mapping[str, Any]], *, baseline: str | None = None,
-                     command: str | None = None, notes: Sequence[str] = ()) -> str:
-    """A Markdown report of run JSONs keyed by policy, with ratios against the baseline (`pick_baseline`)."""
-    if not results:
-        return "# Routing policy comparison\n\nNo runs.\n"
-    base_name = pick_baseline(list(results), baseline)
+def _point_lines(results: Mapping[str, Mapping[str, Any]], base_name: str) -> list[str]:
+    """The two tables of one workload and load: absolute figures, then ratios against `base_name`."""
     base = results[base_name]
     first = next(iter(results.values()))
     # .get: run JSONs written before goodput existed render with "–" there.
     slo = first.get("slo_ttft_s")  # one compare runs every policy under the same SLO
     goodput_head = f"goodput (req/s, TTFT ≤ {_fmt(slo, 2)} s)"
-    lines = ["# Routing policy comparison", ""]
-    if command:
-        lines += ["Command:", "", f"    {command}", ""]
-    lines += [f"Workload: `{first['workload']}`. Ratios are against `{base_name}`; "
-              "lower is better for latencies, higher for throughput, goodput and hit rate.", "",
-              f"| policy | req/s | {goodput_head} | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (s) "
-              "| e2e p50 (s) | prefix-cache hit rate | imbalance | errors |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"| policy | req/s | {goodput_head} | output tok/s | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) "
+             "| ITL mean (s) | ITL p99 (s) | e2e p50 (s) | prefix-cache hit rate | oracle hit rate | imbalance "
+             "| errors |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         lines.append(
             f"| {name} | {_fmt(r['requests_per_s'], 2)} | {_fmt(r.get('goodput_requests_per_s'), 2)} "
-            f"| {_fmt(r['output_tokens_per_s'], 1)} "
-            f"| {_fmt(r['ttft_s']['p50'])} | {_fmt(r['ttft_s']['p99'])} | {_fmt(r['itl_s']['p50'], 4)} "
-            f"| {_fmt(r['e2e_s']['p50'])} | {_fmt(r['prefix_cache_hit_rate'])} | {_fmt(r['imbalance'], 2)} "
-            f"| {r['num_errors']}/{r['num_requests']} |")
+            f"| {_fmt(r['output_tokens_per_s'], 1)} | {_fmt(r['ttft_s']['p50'])} | {_fmt(r['ttft_s']['p90'])} "
+            f"| {_fmt(r['ttft_s']['p99'])} | {_fmt(r['itl_s']['mean'], 4)} | {_fmt(r['itl_s']['p99'], 4)} "
+            f"| {_fmt(r['e2e_s']['p50'])} | {_fmt(r['prefix_cache_hit_rate'])} | {_fmt(r.get('oracle_hit_rate'))} "
+            f"| {_fmt(r['imbalance'], 2)} | {r['num_errors']}/{r['num_requests']} |")
     lines += ["", f"Ratios vs `{base_name}`:", "",
               "| policy | TTFT p50 | TTFT p99 | output tok/s | goodput | hit rate |", "|---|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
@@ -259,7 +260,72 @@ def compare_markdown(results: Mapping[str, Mapping[str, Any]], *, baseline: str 
             f"| {_ratio(r['output_tokens_per_s'], base['output_tokens_per_s'])} "
             f"| {_ratio(r.get('goodput_requests_per_s'), base.get('goodput_requests_per_s'))} "
             f"| {_ratio(r['prefix_cache_hit_rate'], base['prefix_cache_hit_rate'])} |")
+    return lines
+
+
+def _header(command: str | None, hardware: str | None) -> list[str]:
+    lines = ["# Routing policy comparison", ""]
+    if hardware:
+        lines += [f"Hardware: {hardware}.", ""]
+    if command:
+        lines += ["Command:", "", f"    {command}", ""]
+    return lines
+
+
+def compare_markdown(results: Mapping[str, Mapping[str, Any]], *, baseline: str | None = None,
+                     command: str | None = None, notes: Sequence[str] = (), hardware: str | None = None) -> str:
+    """A Markdown report of run JSONs keyed by policy, with ratios against the baseline (`pick_baseline`)."""
+    if not results:
+        return "# Routing policy comparison\n\nNo runs.\n"
+    base_name = pick_baseline(list(results), baseline)
+    first = next(iter(results.values()))
+    lines = _header(command, hardware)
+    lines += [f"Workload: `{first['workload']}`. Ratios are against `{base_name}`; "
+              "lower is better for latencies, higher for throughput, goodput and hit rate.", ""]
+    lines += _point_lines(results, base_name)
     if notes:
         lines += ["", *[f"- {note}" for note in notes]]
     lines += ["", "Plots: `ttft_cdf.png`, `hit_rate.png`, `throughput.png`.", ""]
+    return "\n".join(lines)
+
+
+def load_label(report: Mapping[str, Any]) -> str:
+    """How a run was loaded, as a short label: "rate 40 req/s" or "concurrency 16"."""
+    if report.get("offered_rate_per_s") is not None:
+        return f"rate {report['offered_rate_per_s']:g} req/s"
+    return f"concurrency {report.get('concurrency')}"
+
+
+def sweep_markdown(points: Mapping[str, Mapping[str, Mapping[str, Any]]], *, baseline: str | None = None,
+                   command: str | None = None, notes: Sequence[str] = (), hardware: str | None = None) -> str:
+    """A report of a sweep: {point label: {policy: run JSON}}, each point one workload at one load.
+
+    First, per workload, goodput and TTFT p90 of every policy at every load (the curve that
+    shows where each policy saturates); then every point's full tables.
+    """
+    if not points:
+        return "# Routing policy comparison\n\nNo runs.\n"
+    lines = _header(command, hardware)
+    policies = list(dict.fromkeys(p for runs in points.values() for p in runs))
+    by_workload: dict[str, list[Mapping[str, Mapping[str, Any]]]] = defaultdict(list)
+    for runs in points.values():
+        by_workload[next(iter(runs.values()))["workload"]].append(runs)
+    for workload, rows in by_workload.items():
+        slo = next(iter(rows[0].values())).get("slo_ttft_s")
+        for title, cell in ((f"goodput, req/s with TTFT ≤ {_fmt(slo, 2)} s", lambda r: _fmt(r.get("goodput_requests_per_s"), 2)),
+                            ("TTFT p90, s", lambda r: _fmt(r["ttft_s"]["p90"])),
+                            ("prefix-cache hit rate (oracle)",
+                             lambda r: f"{_fmt(r['prefix_cache_hit_rate'], 2)} ({_fmt(r.get('oracle_hit_rate'), 2)})")):
+            lines += [f"## `{workload}`: {title}", "", "| load | " + " | ".join(policies) + " |",
+                      "|---|" + "---:|" * len(policies)]
+            for runs in rows:
+                load = load_label(next(iter(runs.values())))
+                lines.append(f"| {load} | " + " | ".join(cell(runs[p]) if p in runs else "–" for p in policies) + " |")
+            lines.append("")
+    for label, runs in points.items():
+        base_name = pick_baseline(list(runs), baseline)
+        lines += [f"## {label}", "", f"Ratios are against `{base_name}`.", ""]
+        lines += _point_lines(runs, base_name) + [""]
+    if notes:
+        lines += [*[f"- {note}" for note in notes], ""]
     return "\n".join(lines)

@@ -1,7 +1,9 @@
 """Benchmark workloads: deterministic request lists from a seed.
 
     shared-prefix   groups × prompts per group; each group shares one long system prompt
-                    (SGLang's generated-shared-prefix: 64 × 16, 2048 / 128 / 256 tokens)
+                    (SGLang's generated-shared-prefix: 64 × 16, 2048 / 128 / 256 tokens).
+                    zipf_s > 0 draws each of the groups × prompts requests' group from a Zipf
+                    law instead (P(group g) ∝ 1 / (g + 1)^s): a few hot groups, a long tail
     multi-turn      users × rounds; one system prompt for all, each round re-sends the
                     growing conversation (its prefix is the previous round's prompt)
     random          independent prompts, nothing shared (the no-affinity baseline)
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Sequence
 
 # ~1.5 tokens per word (leading space included) with the demo model's BPE tokenizer,
 # measured over this word list; see calibrate_tokens_per_word.
@@ -62,6 +64,7 @@ class SharedPrefixParams:
     system_prompt_len: int = 2048
     question_len: int = 128
     output_len: int = 256
+    zipf_s: float = 0.0  # 0: every group gets prompts_per_group requests; > 0: Zipf-skewed popularity
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,10 @@ def _text(rng: random.Random, num_tokens: int, tokens_per_word: float) -> str:
 
 
 def _shared_prefix(p: SharedPrefixParams, rng: random.Random, tpw: float) -> list[BenchRequest]:
+    if p.zipf_s < 0:
+        raise ValueError(f"zipf_s must be >= 0, got {p.zipf_s}")
+    if p.zipf_s > 0:
+        return _zipf_shared_prefix(p, rng, tpw)
     out = []
     for g in range(p.num_groups):
         system = {"role": "system", "content": _text(rng, p.system_prompt_len, tpw)}
@@ -109,6 +116,15 @@ def _shared_prefix(p: SharedPrefixParams, rng: random.Random, tpw: float) -> lis
             out.append(BenchRequest((system, question), p.output_len, f"group-{g}"))
     rng.shuffle(out)
     return out
+
+
+def _zipf_shared_prefix(p: SharedPrefixParams, rng: random.Random, tpw: float) -> list[BenchRequest]:
+    """groups × prompts requests, each one's group drawn with P(g) ∝ 1 / (g + 1)^s, in arrival order."""
+    systems = [{"role": "system", "content": _text(rng, p.system_prompt_len, tpw)} for _ in range(p.num_groups)]
+    weights = [1.0 / (g + 1) ** p.zipf_s for g in range(p.num_groups)]
+    groups = rng.choices(range(p.num_groups), weights=weights, k=p.num_groups * p.prompts_per_group)
+    return [BenchRequest((systems[g], {"role": "user", "content": _text(rng, p.question_len, tpw)}),
+                         p.output_len, f"group-{g}") for g in groups]
 
 
 def _multi_turn(p: MultiTurnParams, rng: random.Random, tpw: float) -> list[BenchRequest]:
@@ -154,6 +170,27 @@ def build_workload(name: str, params: Any = None, *, seed: int = 0,
     rng = random.Random(f"{name}:{seed}")  # str seeds hash with sha512: stable across processes
     requests = _BUILDERS[name](params, rng, tokens_per_word)
     return Workload(name, params, seed, tuple(requests))
+
+
+def oracle_hit_rate(requests: Sequence[BenchRequest]) -> float | None:
+    """The prefix-cache hit rate of one infinite cache shared by the whole fleet, sent in this order.
+
+    Every shared prefix is computed once: a request's cached part is its longest run of leading
+    whole messages that an earlier request began with (a shared system prompt; in multi-turn the
+    previous round's prompt). Counted in words, which is the token ratio since all text is drawn
+    at one tokens-per-word rate; chat-template tokens are left out. The ceiling any router's
+    hit rate is read against. None for no requests.
+    """
+    seen: set[tuple[str, ...]] = set()
+    hit_words = total_words = 0
+    for request in requests:
+        words = [len(m["content"].split()) for m in request.messages]
+        keys = [tuple(m["content"] for m in request.messages[: i + 1]) for i in range(len(words))]
+        cached = max((i + 1 for i, key in enumerate(keys[:-1]) if key in seen), default=0)
+        hit_words += sum(words[:cached])
+        total_words += sum(words)
+        seen.update(keys)
+    return hit_words / total_words if total_words else None
 
 
 def calibrate_tokens_per_word(tokenizer_path: str, *, num_words: int = 2000, seed: int = 0) -> float:

@@ -7,6 +7,14 @@
 #   bash benchmarks/h200/run.sh overhead-demo  kvtide direct / ingress vs bare vLLM, demo model, one GPU
 #                                              (SERVERS, CONCURRENCY, NUM_REQUESTS, DURATION narrow it)
 #   bash benchmarks/h200/run.sh overhead-8b    the same with a Llama-3.1-8B-shaped model built on the device
+#   bash benchmarks/h200/run.sh routing        `kvtide bench compare` on the x2 kind: 4 replicas of the 8B shape
+#                                              (2 per GPU), bare / pow2 / prefix_aware / round_robin, Zipf
+#                                              shared-prefix at several open-loop rates (POLICIES, RATES, ...)
+#   bash benchmarks/h200/run.sh routing-random the same fleet on random prompts (routing must not hurt)
+#   bash benchmarks/h200/run.sh start STAGES   run the stages in order in the background (one session's
+#                                              device time is a few device calls: the driver outlives a call)
+#   bash benchmarks/h200/run.sh poll SECONDS   wait for the background driver (at most SECONDS), then pack
+#                                              what it wrote so far into $OUT/results.tar.gz
 set -uo pipefail
 export VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export KVTIDE_HOME=/tmp/kvtide-home
@@ -18,7 +26,8 @@ fi
 export PYTHONPATH=/tmp/kvt:/tmp/site
 OUT=${OUT:-/tmp/out}
 W=/tmp/work
-mkdir -p "$OUT" "$W"
+RES=/tmp/results  # what `poll` packs: every stage's reports, JSON and logs
+mkdir -p "$OUT" "$W" "$RES"
 cd /tmp  # away from the checkout's kvtide/ folder
 REPO=$OLDPWD
 
@@ -43,7 +52,62 @@ serve_and_snapshot() {  # name, extra --set args...: serve, record which GPU eac
   sleep 2; { echo "## $name: compute processes after the stop"; gpu_of_pids; echo; } >> "$OUT/placement.txt"
 }
 
+FLEET_8B=(--set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape
+  --set replicas.num_replicas=4 --set resources.gpus_per_worker=0.5 --set engine.gpu_memory_utilization=null
+  --set engine.kv_cache_memory_bytes=4294967296 --set engine.max_model_len=8192 --set engine.max_num_seqs=64
+  --set engine.max_num_batched_tokens=8192 --set http.port=8300 --set metrics.port=8390)
+
+build_8b() {
+  python3 "$REPO/benchmarks/h200/build_model.py" /tmp/models/llama-8b-shape > "$W/build-8b.log" 2>&1 || { tail "$W/build-8b.log"; exit 1; }
+}
+
+leftovers() {  # a stage must not start on GPUs that a previous one's engines still hold
+  local left; left=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | tr -d ' ')
+  if [ -n "$left" ]; then
+    echo "leftover compute processes before $1: $left" | tee -a "$RES/driver-notes.txt"
+    echo "$left" | xargs -r kill -9; sleep 3
+  fi
+}
+
+compare() {  # out name, policies, workload, rates, extra args...
+  local name=$1 policies=$2 workload=$3 rates=$4; shift 4
+  mkdir -p "$RES/$name"
+  python3 -m kvtide.cluster.cli bench compare --config "$REPO/cluster/configs/gpu-demo.yaml" "${FLEET_8B[@]}" \
+      --policies "$policies" --workload "$workload" --rate "$rates" --duration "${DURATION:-15}" \
+      --tokenizer /tmp/models/llama-8b-shape --slo-ttft-s 1.0 --metrics-settle 20 --no-progress \
+      --hardware "2 × NVIDIA H200 (nvidia-h200-x2), 4 engine replicas of a Llama-3.1-8B-shaped model (random weights), 2 per GPU, 4 GiB KV each" \
+      --out "$RES/$name" "$@" > "$RES/$name/compare.log" 2>&1
+  echo "$name: exit $?" >> "$RES/driver-notes.txt"
+}
+
 case "${1:-placement}" in
+start)  # the stages run in a copy: the next device call replaces the checkout under a running script
+  shift
+  rm -rf /tmp/drv && mkdir -p /tmp/drv "$RES" && cp -r "$REPO/benchmarks" "$REPO/cluster" /tmp/drv/ && mkdir /tmp/drv/.gpu && cp -r "$REPO/.gpu/extra" "$REPO/.gpu/kvtide" /tmp/drv/.gpu/
+  (cd /tmp/drv && setsid nohup bash -c "for s in $*; do echo \"== \$s \$(date +%T)\"; OUT=$RES bash benchmarks/h200/run.sh \$s; done; echo \"== done \$(date +%T)\"" \
+      > "$RES/driver.log" 2>&1 < /dev/null &)
+  setsid nohup nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 2 \
+      > "$RES/gpu-util.csv" 2>/dev/null < /dev/null &
+  sleep 2; cat "$RES/driver.log"
+  ;;
+poll)
+  for _ in $(seq 1 "${2:-60}"); do grep -q "^== done" "$RES/driver.log" 2>/dev/null && break; sleep 1; done
+  tail -25 "$RES/driver.log"; cat "$RES/driver-notes.txt" 2>/dev/null
+  for f in "$RES"/*/report.md; do [ -f "$f" ] && { echo "## $f"; head -60 "$f"; }; done
+  tar czf "$OUT/results.tar.gz" --exclude='*.requests.jsonl' -C "$RES" .
+  tar czf "$OUT/samples.tar.gz" -C "$RES" $(cd "$RES" && find . -name '*.requests.jsonl') 2>/dev/null
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
+  ;;
+routing)
+  build_8b; leftovers routing
+  compare routing-shared-prefix "${POLICIES:-bare,pow2,prefix_aware,round_robin}" shared-prefix "${RATES:-8,16,32}" \
+      --zipf-s 0.8 --num-groups 20 --prompts-per-group 64 --system-prompt-len 6000 --question-len 128 --output-len 64
+  ;;
+routing-random)
+  build_8b; leftovers routing-random
+  compare routing-random "${POLICIES:-pow2,prefix_aware}" random "${RATES:-16}" \
+      --num-requests 2000 --input-len 2048 --output-len 64
+  ;;
 placement)
   serve_and_snapshot tp1-x2 --set replicas.num_replicas=2
   serve_and_snapshot share-x4 --set replicas.num_replicas=4 --set resources.gpus_per_worker=0.5 \
@@ -51,27 +115,24 @@ placement)
   tar czf "$OUT/placement-logs.tar.gz" -C "$W" .
   ;;
 overhead-demo)
-  python3 -m kvtide.benchmarks.overhead --config "$REPO/cluster/configs/gpu-demo.yaml" \
+  leftovers overhead-demo
+  CUDA_VISIBLE_DEVICES=0 python3 -m kvtide.benchmarks.overhead --config "$REPO/cluster/configs/gpu-demo.yaml" \
       --servers "${SERVERS:-kvtide,kvtide-ingress,vllm}" --concurrency "${CONCURRENCY:-1,16,64}" \
       --num-requests "${NUM_REQUESTS:-200}" \
       --duration "${DURATION:-60}" --input-len 512 --output-len 128 --hardware "NVIDIA H200 (one GPU), demo model" \
-      --no-progress --out-dir "$W/overhead-demo" > "$W/overhead-demo.log" 2>&1
-  cp "$W/overhead-demo/report.md" "$OUT/overhead-demo.md"; cp "$W/overhead-demo/results.json" "$OUT/overhead-demo.json"
-  tar czf "$OUT/overhead-demo-logs.tar.gz" -C "$W" overhead-demo overhead-demo.log
-  tail -15 "$OUT/overhead-demo.md"
+      --no-progress --out-dir "$RES/overhead-demo" > "$RES/overhead-demo.log" 2>&1
+  tail -15 "$RES/overhead-demo/report.md"
   ;;
 overhead-8b)
-  python3 "$REPO/benchmarks/h200/build_model.py" /tmp/models/llama-8b-shape > "$W/build-8b.log" 2>&1 || { tail "$W/build-8b.log"; exit 1; }
-  python3 -m kvtide.benchmarks.overhead --config "$REPO/cluster/configs/gpu-demo.yaml" \
+  build_8b; leftovers overhead-8b
+  CUDA_VISIBLE_DEVICES=0 python3 -m kvtide.benchmarks.overhead --config "$REPO/cluster/configs/gpu-demo.yaml" \
       --set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape \
       --set engine.gpu_memory_utilization=0.85 --set engine.max_num_seqs=128 \
-      --servers "${SERVERS:-kvtide,vllm}" --concurrency 1,16,64 --num-requests "${NUM_REQUESTS:-200}" \
+      --servers "${SERVERS:-kvtide,vllm}" --concurrency "${CONCURRENCY:-1,16,64}" --num-requests "${NUM_REQUESTS:-200}" \
       --duration "${DURATION:-60}" --input-len 512 --output-len 128 \
       --hardware "NVIDIA H200 (one GPU), Llama-3.1-8B shape, random weights" \
-      --no-progress --out-dir "$W/overhead-8b" > "$W/overhead-8b.log" 2>&1
-  cp "$W/overhead-8b/report.md" "$OUT/overhead-8b.md"; cp "$W/overhead-8b/results.json" "$OUT/overhead-8b.json"
-  tar czf "$OUT/overhead-8b-logs.tar.gz" -C "$W" overhead-8b overhead-8b.log build-8b.log
-  tail -15 "$OUT/overhead-8b.md"
+      --no-progress --out-dir "$RES/overhead-8b" > "$RES/overhead-8b.log" 2>&1
+  tail -15 "$RES/overhead-8b/report.md"
   ;;
 profile)  # where the direct path spends CPU at 64 streams: py-spy on the engine replica and HAProxy's view
   python3 -m kvtide.cluster.cli serve --config "$REPO/cluster/configs/gpu-demo.yaml" --replicas 1 \

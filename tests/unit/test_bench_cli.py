@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from kvtide.benchmarks.cli import register, workload_from_args
+from kvtide.benchmarks.cli import loads_from_args, register, workload_from_args
 from kvtide.config import ConfigError
 
 
@@ -68,3 +68,31 @@ def test_bare_balancer_flag_defaults_to_auto():
     with pytest.raises(SystemExit):
         parse(["bench", "compare", "--bare-balancer", "nginx", "--workload", "random", "--concurrency", "1",
                "--out", "d"])
+
+
+def test_compare_sweeps_lists_of_workloads_and_rates():
+    """compare takes comma lists of workloads and rates; each point's workload gets its own seed."""
+    args = parse(["bench", "compare", "--policies", "pow2", "--workload", "shared-prefix,random",
+                  "--rate", "2,4.5", "--zipf-s", "1.1", "--num-groups", "3", "--prompts-per-group", "4",
+                  "--num-requests", "5", "--out", "d", "--hardware", "2 × H200"])
+    assert args.workload == ["shared-prefix", "random"]
+    assert [lv.label for lv in loads_from_args(args)] == ["rate 2", "rate 4.5"]
+    first, second = workload_from_args(args, "shared-prefix", 0), workload_from_args(args, "shared-prefix", 1)
+    assert first.params.zipf_s == 1.1 and len(first.requests) == 12
+    assert first.requests != second.requests  # a later point's prompts are new to caches the earlier one filled
+    assert args.hardware == "2 × H200"
+
+
+@pytest.mark.parametrize("bad", [["--workload", "random,nope", "--rate", "1"],
+                                 ["--workload", "random", "--rate", "1,0"],
+                                 ["--workload", "random", "--concurrency", "two"]])
+def test_compare_rejects_bad_sweep_lists(bad):
+    """An unknown workload or a non-positive / non-numeric load in a list is a usage error."""
+    with pytest.raises(SystemExit):
+        parse(["bench", "compare", "--out", "d", *bad])
+
+
+def test_run_keeps_scalar_load_flags():
+    """bench run measures one point: --concurrency stays one number."""
+    args = parse(["bench", "run", "--url", "u", "--workload", "random", "--concurrency", "3", "--out", "x"])
+    assert args.concurrency == 3 and [lv.concurrency for lv in loads_from_args(args)] == [3]

@@ -26,14 +26,15 @@ def test_itl_mean_is_the_decode_pace_and_throughput_counts_tokens_over_the_level
 
 
 def test_report_states_deltas_and_ratios_to_bare_vllm():
-    """Each row carries TTFT p50 minus bare vLLM's and ITL / tok/s ratios to it at the same concurrency."""
+    """Each row carries TTFT p50 minus bare vLLM's and ITL / tok/s / e2e ratios to it at the same concurrency."""
     level = {"num_requests": 10, "num_errors": 0, "ttft_s": {"p50": 0.030, "p99": 0.05},
-             "itl_mean_s": 0.0105, "itl_p99_s": 0.02, "output_tokens_per_s": 950.0}
-    base = {**level, "ttft_s": {"p50": 0.028, "p99": 0.04}, "itl_mean_s": 0.010, "output_tokens_per_s": 1000.0}
+             "itl_mean_s": 0.0105, "itl_p99_s": 0.02, "output_tokens_per_s": 950.0, "e2e_s": {"p50": 1.2}}
+    base = {**level, "ttft_s": {"p50": 0.028, "p99": 0.04}, "itl_mean_s": 0.010, "output_tokens_per_s": 1000.0,
+            "e2e_s": {"p50": 1.5}}
     args = argparse.Namespace(input_len=512, output_len=128, num_requests=200, duration=60.0)
     text = markdown({"kvtide": {16: level}, "vllm": {16: base}}, args, "cmd", "NVIDIA H200")
     assert "Hardware: NVIDIA H200" in text
-    assert "| kvtide | 16 | 10 (0) | 30.0 | 50.0 | 10.5 | 20.0 | 950 | +2.0 | 1.05× | 0.95× |" in text
+    assert "| kvtide | 16 | 10 (0) | 30.0 | 50.0 | 10.5 | 20.0 | 950 | 1200.0 | +2.0 | 1.05× | 0.95× | 0.80× |" in text
 
 
 def test_engine_kwargs_become_vllm_flags():

@@ -6,12 +6,14 @@ import json
 
 import pytest
 
+from kvtide.benchmarks.plots import write_sweep_plots
 from kvtide.benchmarks.report import (
     RUN_KEYS,
     MetricsSample,
     RequestResult,
     build_run_report,
     compare_markdown,
+    sweep_markdown,
     goodput_count,
     imbalance,
     metrics_delta,
@@ -90,9 +92,9 @@ def test_run_json_has_exactly_the_keys():
     report = build_run_report(workload="shared-prefix", policy=None, results=[ok(0.1, 1.0)], duration_s=2.0,
                               metrics=None)
     assert list(report) == list(RUN_KEYS) == [
-        "workload", "policy", "num_requests", "num_errors", "duration_s", "requests_per_s", "output_tokens_per_s",
-        "slo_ttft_s", "goodput_requests_per_s", "ttft_s", "itl_s", "e2e_s", "prefix_cache_hit_rate",
-        "requests_per_replica", "imbalance"]
+        "workload", "policy", "offered_rate_per_s", "concurrency", "num_requests", "num_errors", "duration_s",
+        "requests_per_s", "output_tokens_per_s", "slo_ttft_s", "goodput_requests_per_s", "ttft_s", "itl_s", "e2e_s",
+        "prefix_cache_hit_rate", "oracle_hit_rate", "requests_per_replica", "imbalance"]
     assert json.loads(json.dumps(report)) == report
     assert set(report["ttft_s"]) == {"p50", "p90", "p99", "mean"}
 
@@ -219,3 +221,22 @@ def test_compare_markdown_lists_notes():
     """Notes (what `bare` ran, which balancer) appear in the report as a list."""
     md = compare_markdown({"bare": _run("bare", 0.4, 1)}, notes=["`bare`: 2 servers behind HAProxy"])
     assert "- `bare`: 2 servers behind HAProxy" in md
+
+
+def _point(policy: str, rate: float, ttft: float, num_ok: int) -> dict:
+    return build_run_report(workload="shared-prefix", policy=policy, results=[ok(ttft, 1.0)] * num_ok,
+                            duration_s=2.0, metrics=MetricsSample(50.0, 100.0, {"a": 1.0}), slo_ttft_s=0.5,
+                            offered_rate_per_s=rate, oracle_hit_rate=0.9)
+
+
+def test_sweep_markdown_tabulates_goodput_per_load_and_policy(tmp_path):
+    """A sweep report has one goodput row per load with a column per policy, then each point's tables."""
+    points = {"shared-prefix @ rate 2": {"bare": _point("bare", 2, 0.4, 2), "prefix_aware": _point("prefix_aware", 2, 0.1, 4)},
+              "shared-prefix @ rate 8": {"bare": _point("bare", 8, 0.9, 2), "prefix_aware": _point("prefix_aware", 8, 0.2, 8)}}
+    md = sweep_markdown(points, hardware="2 × NVIDIA H200")
+    assert "Hardware: 2 × NVIDIA H200." in md
+    assert "| load | bare | prefix_aware |" in md
+    assert "| rate 2 req/s | 1.00 | 2.00 |" in md and "| rate 8 req/s | 0.00 | 4.00 |" in md
+    assert "| rate 2 req/s | 0.50 (0.90) | 0.50 (0.90) |" in md  # hit rate beside the oracle's
+    assert md.count("Ratios vs `bare`") == 2
+    assert [p.name for p in write_sweep_plots(points, tmp_path)] == ["shared-prefix_sweep.png"]

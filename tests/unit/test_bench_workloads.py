@@ -12,6 +12,7 @@ from kvtide.benchmarks.workloads import (
     SharedPrefixParams,
     build_workload,
     make_params,
+    oracle_hit_rate,
 )
 
 SMALL = {
@@ -115,3 +116,38 @@ def test_as_prompt_joins_messages():
     r = build_workload("multi-turn", SMALL["multi-turn"]).requests[-1]
     assert r.as_prompt().splitlines()[0].startswith("system: ")
     assert r.as_prompt().count("\n") == len(r.messages) - 1
+
+
+def test_zipf_popularity_is_skewed_and_seeded():
+    """zipf_s > 0 keeps the request count, makes group 0 the most popular, and is deterministic."""
+    p = SharedPrefixParams(num_groups=8, prompts_per_group=50, system_prompt_len=12, question_len=3, output_len=4,
+                           zipf_s=1.2)
+    w = build_workload("shared-prefix", p, seed=3)
+    counts = Counter(r.group for r in w.requests)
+    assert len(w.requests) == 400
+    assert counts.most_common(1)[0][0] == "group-0"
+    assert counts["group-0"] > 3 * counts["group-7"]
+    assert w.requests == build_workload("shared-prefix", p, seed=3).requests
+
+
+def test_negative_zipf_is_rejected():
+    """A negative Zipf exponent is a configuration error, not a silent uniform run."""
+    with pytest.raises(ValueError, match="zipf_s"):
+        build_workload("shared-prefix", SharedPrefixParams(num_groups=2, prompts_per_group=2, zipf_s=-1.0))
+
+
+def test_oracle_hit_rate_counts_each_shared_prefix_once():
+    """Oracle: 2 groups × 3 prompts of a 12-word system + 3-word question hit (6-2)·12 of 6·15 words."""
+    p = SharedPrefixParams(num_groups=2, prompts_per_group=3, system_prompt_len=12, question_len=3, output_len=4)
+    w = build_workload("shared-prefix", p, tokens_per_word=1.0)
+    assert oracle_hit_rate(w.requests) == pytest.approx((6 - 2) * 12 / (6 * 15))
+
+
+def test_oracle_hit_rate_of_multi_turn_reuses_the_previous_round():
+    """Oracle for multi-turn: round k+1 hits all of round k's prompt; random prompts never hit."""
+    w = build_workload("multi-turn", MultiTurnParams(num_users=1, num_rounds=2, system_prompt_len=10,
+                                                     question_len=5, output_len=4), tokens_per_word=1.0)
+    # round 1: system 10 + q 5 (cold); round 2: 10 + 5 cached, then assistant 4 + q 5 new.
+    assert oracle_hit_rate(w.requests) == pytest.approx(15 / (15 + 24))
+    assert oracle_hit_rate(build_workload("random", SMALL["random"]).requests) == 0.0
+    assert oracle_hit_rate([]) is None
