@@ -5,7 +5,7 @@
 # JSON and one tarball of logs.
 #   bash benchmarks/h200/run.sh placement      N TP=1 replicas on N GPUs; 4 replicas on 2 GPUs (x2 kind)
 #   bash benchmarks/h200/run.sh overhead-demo  kvtide direct / ingress vs bare vLLM, demo model, one GPU
-#                                              (SERVERS, CONCURRENCY, NUM_REQUESTS, DURATION narrow it)
+#                                              (SERVERS, CONCURRENCY, NUM_REQUESTS, OVERHEAD_DURATION narrow it)
 #   bash benchmarks/h200/run.sh overhead-8b    the same with a Llama-3.1-8B-shaped model built on the device
 #   bash benchmarks/h200/run.sh routing        `kvtide bench compare` on the x2 kind: 4 replicas of the 8B shape
 #                                              (2 per GPU), bare / pow2 / prefix_aware / round_robin, Zipf
@@ -119,7 +119,7 @@ overhead-demo)
   CUDA_VISIBLE_DEVICES=0 python3 -m kvtide.benchmarks.overhead --config "$REPO/cluster/configs/gpu-demo.yaml" \
       --servers "${SERVERS:-kvtide,kvtide-ingress,vllm}" --concurrency "${CONCURRENCY:-1,16,64}" \
       --num-requests "${NUM_REQUESTS:-200}" \
-      --duration "${DURATION:-60}" --input-len 512 --output-len 128 --hardware "NVIDIA H200 (one GPU), demo model" \
+      --duration "${OVERHEAD_DURATION:-60}" --input-len 512 --output-len 128 --hardware "NVIDIA H200 (one GPU), demo model" \
       --no-progress --out-dir "$RES/overhead-demo" > "$RES/overhead-demo.log" 2>&1
   tail -15 "$RES/overhead-demo/report.md"
   ;;
@@ -129,7 +129,7 @@ overhead-8b)
       --set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape \
       --set engine.gpu_memory_utilization=0.85 --set engine.max_num_seqs=128 \
       --servers "${SERVERS:-kvtide,vllm}" --concurrency "${CONCURRENCY:-1,16,64}" --num-requests "${NUM_REQUESTS:-200}" \
-      --duration "${DURATION:-60}" --input-len 512 --output-len 128 \
+      --duration "${OVERHEAD_DURATION:-60}" --input-len 512 --output-len 128 \
       --hardware "NVIDIA H200 (one GPU), Llama-3.1-8B shape, random weights" \
       --no-progress --out-dir "$RES/overhead-8b" > "$RES/overhead-8b.log" 2>&1
   tail -15 "$RES/overhead-8b/report.md"
