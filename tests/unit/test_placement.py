@@ -36,6 +36,17 @@ def test_engine_kwargs_pass_kv_sizing_only_when_set():
     assert sized["kv_cache_memory_bytes"] == 1 << 28 and sized["model"] == "/m"
 
 
+@pytest.mark.parametrize("share, expected", [(0.5, 0.45), (0.25, 0.225)])
+def test_shared_gpu_engine_claims_only_its_share_in_vllms_memory_check(share, expected):
+    """On a shared GPU the engine's utilization is its share (× 0.9), not vLLM's 0.92 that a 2nd engine fails."""
+    config = parse_config({"resources": {"device": "gpu", "gpus_per_worker": share},
+                           "engine": {"kv_cache_memory_bytes": 1 << 30}})
+    assert engine_kwargs(config, "/m")["gpu_memory_utilization"] == pytest.approx(expected)
+    explicit = parse_config({"resources": {"device": "gpu", "gpus_per_worker": share},
+                             "engine": {"kv_cache_memory_bytes": 1 << 30, "gpu_memory_utilization": 0.3}})
+    assert engine_kwargs(explicit, "/m")["gpu_memory_utilization"] == 0.3  # an explicit value wins
+
+
 def test_logical_cpus_cover_engines_and_ingress():
     """A local cluster reserves the engines' bundles, plus one CPU per ingress replica in ingress mode only."""
     ingress = parse_config({"resources": {"device": "cpu"}, "ingress": {"num_replicas": 2}, "http": {"mode": "ingress"}})
