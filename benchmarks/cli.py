@@ -369,29 +369,39 @@ def cmd_compare(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, dict[str, Any]]] = {}
     samples: dict[str, list[RequestResult]] = {}
     notes: list[str] = []
+    failed: list[str] = []
     for policy, config in configs.items():
         print(f"kvtide bench compare: starting {policy} ...", flush=True)
-        with serving(policy, config, out, args) as target:
-            for i, ((name, level), workload) in enumerate(zip(points, workloads)):
-                report, load = asyncio.run(bench_once(target.base_url, target.metrics, workload, policy, args,
-                                                      target.model_name, level, args.warmup if i == 0 else 0))
-                label = f"{name} @ {level.label}"
-                results.setdefault(label, {})[policy] = report
-                stem = f"{policy}.{name}.{level.label.replace(' ', '')}" if sweep else policy
-                _write_samples(out / f"{stem}.requests.jsonl", load)
-                samples[policy] = load.results
-                # After each point: a crash keeps finished runs.
-                _write_json(out / "results.json", results if sweep else results[label])
-                print(f"{label}: {_one_line(report)}", flush=True)
-        notes += [target.note] if target.note else []
+        try:
+            with serving(policy, config, out, args) as target:
+                for i, ((name, level), workload) in enumerate(zip(points, workloads)):
+                    report, load = asyncio.run(bench_once(target.base_url, target.metrics, workload, policy, args,
+                                                          target.model_name, level, args.warmup if i == 0 else 0))
+                    label = f"{name} @ {level.label}"
+                    results.setdefault(label, {})[policy] = report
+                    stem = f"{policy}.{name}.{level.label.replace(' ', '')}" if sweep else policy
+                    _write_samples(out / f"{stem}.requests.jsonl", load)
+                    samples[policy] = load.results
+                    # After each point: a crash keeps finished runs.
+                    _write_json(out / "results.json", results if sweep else results[label])
+                    print(f"{label}: {_one_line(report)}", flush=True)
+            notes += [target.note] if target.note else []
+        except Exception as exc:  # one policy failing to start must not lose the others' runs
+            print(f"kvtide bench compare: {policy} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            failed.append(policy)
+            notes.append(f"`{policy}` failed: {type(exc).__name__}: {str(exc)[:500]}")
+    if not results:
+        print("kvtide bench compare: no policy produced a run", file=sys.stderr)
+        return 1
     command = "kvtide " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else None
     if sweep:
         text = sweep_markdown(results, command=command, notes=notes, hardware=args.hardware)
         write_sweep_plots(results, out)
     else:
         flat = next(iter(results.values()))
+        samples = {p: samples[p] for p in flat}
         text = compare_markdown(flat, command=command, notes=notes, hardware=args.hardware)
         write_plots(flat, samples, out)
     (out / "report.md").write_text(text)
     print(f"kvtide bench compare: wrote {out}/results.json, report.md and plots")
-    return 0
+    return 1 if failed else 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -96,3 +97,32 @@ def test_run_keeps_scalar_load_flags():
     """bench run measures one point: --concurrency stays one number."""
     args = parse(["bench", "run", "--url", "u", "--workload", "random", "--concurrency", "3", "--out", "x"])
     assert args.concurrency == 3 and [lv.concurrency for lv in loads_from_args(args)] == [3]
+
+
+def test_a_policy_that_fails_to_start_does_not_lose_the_others(tmp_path, monkeypatch):
+    """compare records a policy whose server fails to start as a note, keeps the others' runs, exits 1."""
+    import contextlib
+
+    from kvtide.benchmarks import cli
+    from kvtide.benchmarks.loadgen import LoadResult
+    from kvtide.benchmarks.report import build_run_report
+
+    @contextlib.contextmanager
+    def fake_serving(policy, config, out, args):
+        if policy == "pow2":
+            raise RuntimeError("the kvtide app kept failing to start")
+        yield cli.Target("http://127.0.0.1:1", None, "m")
+
+    async def fake_bench_once(base_url, metrics, workload, policy, args, model=None, load_level=None, warmup=None):
+        report = build_run_report(workload=workload.name, policy=policy, results=[], duration_s=1.0, metrics=None)
+        return report, LoadResult([], 1.0)
+
+    monkeypatch.setattr(cli, "serving", fake_serving)
+    monkeypatch.setattr(cli, "bench_once", fake_bench_once)
+    args = parse(["bench", "compare", "--policies", "pow2,prefix_aware", "--workload", "random", "--rate", "1,2",
+                  "--num-requests", "3", "--out", str(tmp_path)])
+    assert args.func(args) == 1
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results) == ["random @ rate 1", "random @ rate 2"]
+    assert all(list(runs) == ["prefix_aware"] for runs in results.values())
+    assert "`pow2` failed: RuntimeError: the kvtide app kept failing to start" in (tmp_path / "report.md").read_text()
