@@ -202,10 +202,18 @@ def routing() -> DashboardSpec:
         PanelSpec("Routing decisions / s by outcome",
                   (Query(rate_sum(S, "ray_kvtide_router_decisions_total", W, by="policy, outcome"),
                          "{{policy}} {{outcome}}"),),
-                  unit="ops"),
+                  unit="ops", width=6),
+        PanelSpec("Routing decisions / s by route",
+                  (Query(rate_sum(S, "ray_kvtide_router_decisions_total", W, by="route"), "{{route}}"),),
+                  unit="ops", width=6,
+                  description="session: sent to the replica of the session's previous turn; replicated: a hot "
+                              "prefix group spread over several replicas (routing.replication_*); single: "
+                              "one replica's cache or load decided."),
         PanelSpec("Matched prefix tokens per decision",
-                  _quantiles(S, "ray_kvtide_router_matched_prefix_tokens"), unit="short", preview=True),
-        PanelSpec("Routing decision latency", _quantiles(S, "ray_kvtide_router_decision_latency_seconds"), unit="s"),
+                  _quantiles(S, "ray_kvtide_router_matched_prefix_tokens"), unit="short", width=6,
+                  preview=True),
+        PanelSpec("Routing decision latency", _quantiles(S, "ray_kvtide_router_decision_latency_seconds"), unit="s",
+                  width=6),
     ))
     predictions = "ray_kvtide_router_predictions_total"
     trust = RowSpec("Index trust (router prediction vs engine)", (

@@ -134,8 +134,10 @@ CATALOG: tuple[Metric, ...] = (
            "Prompt tokens a new replica prefilled (hot shared prefixes) before taking traffic.",
            "model", needs=AUTOSCALING_ON),
     # --- router (deployments/router.py; in each ingress replica's process) ---------------------
-    Metric("ray_kvtide_router_decisions_total", _C, _R, ("policy", "outcome"), "decisions",
-           "Routing decisions by policy and outcome (cache_hit, load_fallback, no_match).", needs=ROUTER_ON),
+    Metric("ray_kvtide_router_decisions_total", _C, _R, ("policy", "outcome", "route"), "decisions",
+           "Routing decisions by policy, outcome (cache_hit, load_fallback, no_match) and route (session: the "
+           "replica of the session's last turn; replicated: a hot prefix group spread over k >= 2 replicas; "
+           "single: one replica's cache or load).", needs=ROUTER_ON),
     Metric("ray_kvtide_router_matched_prefix_tokens", _H, _R, ("policy",), "tokens",
            "Cached prefix tokens on the chosen replica, per decision.", needs=ROUTER_ON),
     Metric("ray_kvtide_router_decision_latency_seconds", _H, _R, ("policy",), "s",

@@ -54,7 +54,7 @@ from ray.util import metrics
 from kvtide.config import RoutingConfig
 from kvtide.deployments.messages import RoutingKey
 from kvtide.deployments.routing.fleet import FleetView
-from kvtide.deployments.routing.policy import RouterState
+from kvtide.deployments.routing.policy import RouterState, route_of
 from kvtide.deployments.routing.trust import write_prediction
 
 DECISION_LATENCY_BUCKETS_S = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2]
@@ -71,8 +71,9 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         self.decisions = metrics.Counter(
-            "kvtide_router_decisions", "Routing decisions by policy and outcome (cache_hit, load_fallback, no_match).",
-            tag_keys=("policy", "outcome"))
+            "kvtide_router_decisions", "Routing decisions by policy, outcome (cache_hit, load_fallback, no_match) "
+            "and route (session: the session's last replica; replicated: a hot prefix spread over k >= 2; single).",
+            tag_keys=("policy", "outcome", "route"))
         self.matched_tokens = metrics.Histogram(
             "kvtide_router_matched_prefix_tokens", "Cached prefix tokens on the chosen replica, per decision.",
             boundaries=MATCHED_TOKENS_BUCKETS, tag_keys=("policy",))
@@ -152,7 +153,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         by_id = {_rid(r.replica_id): r for r in candidate_replicas}
         tags = {"policy": "prefix_aware"}
         self._metrics.decision_s.observe((time.perf_counter_ns() - started_ns) / 1e9, tags)
-        self._metrics.decisions.inc(1, {**tags, "outcome": decision.outcome})
+        self._metrics.decisions.inc(1, {**tags, "outcome": decision.outcome, "route": route_of(decision)})
         self._metrics.matched_tokens.observe(decision.matched_tokens, tags)
         slot = _decision_slot(pending_request)
         if slot is not None and decision.ranked:

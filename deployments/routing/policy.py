@@ -144,6 +144,17 @@ class RoutingDecision:
     sticky: bool = False  # ranked[0] is the replica of the session's last turn
 
 
+def route_of(decision: RoutingDecision) -> str:
+    """How the first choice was reached, for the decisions counter's `route` label.
+
+    session: the replica of the session's previous turn; replicated: a hot prefix group
+    spread over k >= 2 replicas; single: one replica's cache or load alone.
+    """
+    if decision.sticky:
+        return "session"
+    return "replicated" if decision.prefix_replicas >= 2 else "single"
+
+
 def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshots: Sequence[ReplicaSnapshot],
                   index: PrefixIndex, tunables: RoutingConfig, rng: random.Random, *, now_s: float,
                   session_key: str | None = None, demand: PrefixDemand | None = None,

@@ -151,3 +151,12 @@ def test_tunables_reject_values_that_break_the_guard(field, value):
     """Tunables that could leave no replica under the guard (or make no sense) are rejected by name."""
     with pytest.raises(ValueError, match=field):
         RoutingConfig(**{field: value})
+
+
+@pytest.mark.parametrize("sticky, k, expected", [(True, 3, "session"), (False, 3, "replicated"),
+                                                 (False, 2, "replicated"), (False, 1, "single")])
+def test_route_label_names_how_the_first_choice_was_reached(sticky, k, expected):
+    """The decisions counter's route: session stickiness first, then replication (k >= 2), else single."""
+    from kvtide.deployments.routing.policy import RoutingDecision, route_of
+
+    assert route_of(RoutingDecision(["a"], "cache_hit", 0, prefix_replicas=k, sticky=sticky)) == expected
