@@ -135,6 +135,9 @@ def _add_load_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--duration", type=float, default=60.0, help="stop sending after this many seconds")
     g.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
     g.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help="per request, seconds")
+    g.add_argument("--drain-timeout", type=float, default=None,
+                   help="open loop: after the last send, await requests in flight at most this long; the rest "
+                        "count as errors (default: await them all, each up to --request-timeout)")
     g.add_argument("--warmup", type=int, default=4, help="short unmeasured requests sent first (0: none)")
     g.add_argument("--metrics-settle", type=float, default=30.0,
                    help="seconds to wait for the server's request counters to include the run")
@@ -262,7 +265,8 @@ async def bench_once(base_url: str, metrics: MetricsSource, workload: Workload, 
         before = await _settled_after(client, metrics, initial, num_warm_ok, args.metrics_settle)
         load = await run_load(base_url, workload.requests, duration_s=args.duration, rate=level.rate,
                               concurrency=level.concurrency, model=model, endpoint=args.endpoint, seed=workload.seed,
-                              request_timeout_s=args.request_timeout, progress=not args.no_progress)
+                              request_timeout_s=args.request_timeout, progress=not args.no_progress,
+                              drain_timeout_s=args.drain_timeout)
         num_ok = sum(r.ok for r in load.results)
         after = await _settled_after(client, metrics, before, num_ok, args.metrics_settle)
     sent = workload.requests[: len(load.results)]  # both loops send a prefix of the list, in order

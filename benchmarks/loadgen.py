@@ -11,6 +11,10 @@ Every request streams (SSE over httpx, no SDK: per-chunk JSON parsing stays chea
 POST: TTFT (first chunk carrying text), ITL (gaps between text chunks), e2e, output
 tokens (the final usage chunk when the server sends one, else the text-chunk count).
 
+`drain_timeout_s` bounds how long requests still in flight after the last send are awaited;
+those cut off are errors ("cut at the drain bound"). Past saturation a queue of minutes would
+otherwise be drained at full cost, e.g. of a GPU's time, to learn only that it missed the SLO.
+
 Only loopback targets are accepted: this tool generates load, and pointing it at
 someone else's endpoint by a typo must not be possible.
 """
@@ -32,6 +36,7 @@ from kvtide.benchmarks.report import RequestResult
 from kvtide.benchmarks.workloads import BenchRequest
 
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
+DRAIN_CUT_ERROR = "cut at the drain bound: still running drain_timeout_s after the last send"
 _LOOPBACK_NAMES = {"localhost"}
 
 
@@ -147,7 +152,7 @@ async def send_one(client: httpx.AsyncClient, url: str, request: BenchRequest, m
 async def run_load(base_url: str, requests: Sequence[BenchRequest], *, duration_s: float,
                    rate: float | None = None, concurrency: int | None = None, model: str | None = None,
                    endpoint: str = "chat", seed: int = 0, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                   progress: bool = True) -> LoadResult:
+                   progress: bool = True, drain_timeout_s: float | None = None) -> LoadResult:
     """Send `requests` in order, open loop (`rate`) or closed loop (`concurrency`), for at most `duration_s`.
 
     Requests still in flight at the deadline are awaited (each bounded by `request_timeout_s`),
@@ -184,13 +189,15 @@ async def run_load(base_url: str, requests: Sequence[BenchRequest], *, duration_
                 bar.set_postfix(errors=sum(not r.ok for r in results))
 
         if rate is not None:
-            tasks = []
+            tasks: dict[asyncio.Task, tuple[BenchRequest, float]] = {}
             for request, at_s in zip(requests, arrival_times_s(len(requests), rate, duration_s, seed)):
                 delay = at_s - (time.perf_counter() - t0)
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(timed(request)))
-            await asyncio.gather(*tasks)
+                tasks[asyncio.create_task(timed(request))] = (request, time.perf_counter())
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=drain_timeout_s)
+                results.extend(await _cut(pending, tasks, t0))
         else:
             pending = iter(requests)
 
@@ -205,3 +212,14 @@ async def run_load(base_url: str, requests: Sequence[BenchRequest], *, duration_
         bar.close()
     results.sort(key=lambda r: r.start_s)
     return LoadResult(results, duration)
+
+
+async def _cut(pending: set[asyncio.Task], sent: dict[asyncio.Task, tuple[BenchRequest, float]],
+               t0: float) -> list[RequestResult]:
+    """Cancel the requests still in flight at the drain bound; one error result each."""
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    now = time.perf_counter()
+    return [RequestResult(ok=False, start_s=sent[t][1] - t0, e2e_s=now - sent[t][1], error=DRAIN_CUT_ERROR,
+                          group=sent[t][0].group) for t in pending]

@@ -74,7 +74,7 @@ compare() {  # out name, policies, workload, rates, extra args...
   mkdir -p "$RES/$name"
   python3 -m kvtide.cluster.cli bench compare --config "$REPO/cluster/configs/gpu-demo.yaml" "${FLEET_8B[@]}" \
       --policies "$policies" --workload "$workload" --rate "$rates" --duration "${DURATION:-15}" \
-      --tokenizer /tmp/models/llama-8b-shape --slo-ttft-s 1.0 --metrics-settle 20 --no-progress \
+      --tokenizer /tmp/models/llama-8b-shape --slo-ttft-s 1.0 --metrics-settle 20 --drain-timeout 20 --no-progress \
       --hardware "2 × NVIDIA H200 (nvidia-h200-x2), 4 engine replicas of a Llama-3.1-8B-shaped model (random weights), 2 per GPU, 4 GiB KV each" \
       --out "$RES/$name" "$@" > "$RES/$name/compare.log" 2>&1
   echo "$name: exit $?" >> "$RES/driver-notes.txt"

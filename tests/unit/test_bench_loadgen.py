@@ -80,3 +80,18 @@ def test_request_body_is_openai_chat_with_max_tokens():
     _send(handler)
     assert seen["model"] == "m" and seen["max_tokens"] == 3 and seen["stream"] is True
     assert seen["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_requests_in_flight_at_the_drain_bound_are_cut_as_errors():
+    """_cut cancels what is still running and records each as a failed result of its group, never hangs."""
+    from kvtide.benchmarks.loadgen import DRAIN_CUT_ERROR, _cut
+
+    async def go():
+        never = asyncio.Event()
+        tasks = {asyncio.create_task(never.wait()): (REQ, 0.0) for _ in range(3)}
+        results = await _cut(set(tasks), tasks, t0=0.0)
+        return results, [t.cancelled() for t in tasks]
+
+    results, cancelled = asyncio.run(go())
+    assert len(results) == 3 and all(cancelled)
+    assert all(not r.ok and r.error == DRAIN_CUT_ERROR and r.group == "g" and r.ttft_s is None for r in results)
