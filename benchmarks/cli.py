@@ -15,6 +15,9 @@ point's prompts are new to caches the previous point filled, and equal across po
                   each on its own cores / GPUs, behind a round-robin HAProxy (Ray's
                   bundled binary; a small Python proxy if there is none) — what a
                   platform team runs without kvtide (benchmarks/bare_fleet.py)
+    ray_kv        no kvtide: Ray Serve LLM 2.60's own app (LLMServer replicas, KVAwareRouter,
+                  direct streaming), same engine flags and replica count; needs the `bench`
+                  extra (ai-dynamo-runtime); CPU only for now (benchmarks/ray_llm_fleet.py)
     pow2          kvtide's cluster with Ray Serve's power-of-two-choices router (load only)
     round_robin   kvtide's cluster, round robin
     ray_prefix    kvtide's cluster with Ray Serve LLM's prefix-aware router
@@ -69,6 +72,8 @@ if TYPE_CHECKING:
 
 METRICS_POLL_S = 1.0
 BARE_POLICY = "bare"  # = bare_fleet.BARE_POLICY; not imported here, so `bench run` stays light
+RAY_KV_POLICY = "ray_kv"  # = ray_llm_fleet.RAY_KV_POLICY
+NOT_KVTIDE = (BARE_POLICY, RAY_KV_POLICY)  # baselines that run without kvtide's cluster
 DEFAULT_POLICIES = "pow2,ray_prefix,prefix_aware"
 
 # Where a run's counters come from: one endpoint whose series name their replica (kvtide
@@ -168,8 +173,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cmp_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="config override for every run, e.g. --set http.port=8200 (repeatable)")
     cmp_p.add_argument("--policies", default=DEFAULT_POLICIES,
-                       help=f"comma-separated: routing.policy values, and `{BARE_POLICY}` (bare vLLM servers behind "
-                            "a round-robin balancer, no kvtide); the baseline is bare, else pow2, else the first")
+                       help=f"comma-separated: routing.policy values, `{BARE_POLICY}` (bare vLLM servers behind "
+                            f"a round-robin balancer, no kvtide) and `{RAY_KV_POLICY}` (Ray Serve LLM's KV-aware app); "
+                            "the baseline is bare, else pow2, else the first")
     cmp_p.add_argument("--bare-balancer", choices=("auto", "haproxy", "python"), default="auto",
                        help="bare's balancer: HAProxy if a binary is found (auto), or the Python round-robin proxy")
     cmp_p.add_argument("--out", required=True, help="output directory")
@@ -328,7 +334,7 @@ def policy_config(config_path: str, overrides: list[str], policy: str) -> Kvtide
     """The config one policy runs with (validated now: a typo fails in a second, not after a run)."""
     from kvtide.config import load_config
 
-    if policy == BARE_POLICY:
+    if policy in NOT_KVTIDE:
         from kvtide.benchmarks.bare_fleet import fleet_size
 
         config = load_config(config_path, overrides)
@@ -346,6 +352,11 @@ def serving(policy: str, config: KvtideConfig, out: Path, args: argparse.Namespa
         with bare_fleet.running(config, out / BARE_POLICY, request_timeout_s=args.request_timeout,
                                 balancer=args.bare_balancer) as fleet:
             yield Target(fleet.base_url, fleet.metrics_urls, fleet.model_name, fleet.note)
+    elif policy == RAY_KV_POLICY:
+        from kvtide.benchmarks import ray_llm_fleet
+
+        with ray_llm_fleet.running(config, out / RAY_KV_POLICY) as ray_kv:
+            yield Target(ray_kv.base_url, ray_kv.metrics_url, ray_kv.model_name, ray_kv.note)
     else:
         from kvtide.cluster import local
 
