@@ -149,6 +149,7 @@ def stop(drain_timeout_s: float = STOP_DRAIN_TIMEOUT_S) -> None:
     # A start interrupted by a signal may have disconnected from Ray already; serve.shutdown()
     # would then start a new local Ray instance just to find nothing to stop.
     if ray.is_initialized():
+        # A request arriving after this count arrived after the stop began: it is not waited for.
         in_flight = requests_in_flight()
         if serve_drain_needed(in_flight, ray_outlives_stop=not _started_ray_here(started)):
             _drain_serve(drain_timeout_s)

@@ -56,6 +56,19 @@ def _wait_for_line(proc: subprocess.Popen, lines: "queue.Queue[str]", prefix: st
     raise AssertionError(f"no {prefix!r} line within {timeout_s:.0f} s:\n" + "".join(seen[-40:]))
 
 
+def _session_processes(session_id: int) -> list[str]:
+    """Processes still running in a session: every process `kvtide serve` starts stays in its session,
+    including those started after the snapshot of its descendants (HAProxy's reloads) and orphans."""
+    left = []
+    for proc in psutil.process_iter(["pid", "name", "status"]):
+        try:
+            if os.getsid(proc.pid) == session_id and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(f"{proc.pid} {proc.info['name']}")
+        except (OSError, psutil.Error):  # gone meanwhile
+            pass
+    return left
+
+
 def test_serve_stops_on_sigint_and_on_sigterm_with_exit_0_and_no_process_left():
     """`kvtide serve` given SIGINT (then at once SIGTERM), and another given SIGTERM, each exit 0 in bound, leaving no process."""
     # Both clusters start side by side: one wait for two starts.
@@ -84,6 +97,7 @@ def test_serve_stops_on_sigint_and_on_sigterm_with_exit_0_and_no_process_left():
             left = [f"{p.pid} {p.name()}" for p in descendants[sig]
                     if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
             assert left == [], signal.Signals(sig).name
+            assert _session_processes(proc.pid) == [], signal.Signals(sig).name  # start_new_session: sid = pid
     finally:
         for proc, _ in servers.values():
             if proc.poll() is None:
