@@ -87,13 +87,16 @@ class RayKvFleet:
 @contextlib.contextmanager
 def running(config: KvtideConfig, log_dir: str | Path) -> Iterator[RayKvFleet]:
     """Start Ray Serve LLM (KVAwareRouter, direct streaming) in a child process; yield it; stop it."""
+    from kvtide.benchmarks.bare_fleet import fleet_size
     from kvtide.benchmarks.overhead import server_process
     from kvtide.deployments.demo_model import resolve_model
+    from kvtide.deployments.placement import logical_cpus_needed
 
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     spec = {"llm_config": llm_config_kwargs(config, resolve_model(config.model)), "port": config.http.port,
-            "metrics_port": config.metrics.port, "gpu": config.resources.device == "gpu"}
+            "metrics_port": config.metrics.port, "gpu": config.resources.device == "gpu",
+            "num_cpus": max(float(os.cpu_count() or 1), logical_cpus_needed(config, fleet_size(config)) + 4)}
     (log_dir / "llm_config.json").write_text(json.dumps(spec, indent=2, default=str) + "\n")
     cmd = [sys.executable, "-m", "kvtide.benchmarks.ray_llm_fleet", str(log_dir / "llm_config.json")]
     log = log_dir / "ray_kv.log"
@@ -125,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
 
-    ray.init(num_gpus=None if spec["gpu"] else 0, _metrics_export_port=spec["metrics_port"], include_dashboard=True)
+    # Logical CPUs are for scheduling only: each replica's bundles plus Serve's and Ray Serve
+    # LLM's own actors must fit, as kvtide's local start sizes them (cluster/local.py).
+    ray.init(num_cpus=spec["num_cpus"], num_gpus=None if spec["gpu"] else 0,
+             _metrics_export_port=spec["metrics_port"], include_dashboard=True)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": spec["port"]})
         app = build_openai_app({"llm_configs": [LLMConfig(**spec["llm_config"])]})
