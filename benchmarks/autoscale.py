@@ -1,24 +1,54 @@
 """Step-load trace against the same cluster config: kvtide's KV policy vs Ray's queue-length policy.
 
-    .venv/bin/python -m kvtide.benchmarks.autoscale --out benchmarks/results/autoscale.md
+    .venv/bin/python -m kvtide.benchmarks.autoscale --out-dir benchmarks/results/autoscale-cpu
+    .venv/bin/python -m kvtide.benchmarks.autoscale --config cluster/configs/gpu-demo.yaml \\
+        --set replicas.num_replicas=null --set replicas.min_replicas=1 --set replicas.max_replicas=4 \\
+        --hardware "NVIDIA H200 x2" --out-dir benchmarks/results/autoscale-h200
 
 Variants (one local cluster each, started and stopped in turn, same config otherwise):
 - kv            autoscaling.policy=kv, warm start on (kvtide's default)
 - kv-cold       autoscaling.policy=kv, warm start off (isolates the warm start)
-- queue_length  Ray Serve's default request-count policy
+- queue_length  Ray Serve's request-count policy (target_ongoing_requests from --queue-target-ongoing)
+- fixed-max     no autoscaling: the fleet fixed at the config's max_replicas from the start,
+                what a team without an autoscaler provisions (the latency floor and the cost ceiling)
+
+Config: `--config` (default: the CPU demo config, which then gets CPU_OVERRIDES), then
+TRACE_OVERRIDES (the short autoscaling windows this trace needs), then every `--set`, then
+the variant's own overrides. The config must autoscale (replicas.min_replicas/max_replicas).
 
 Trace: `low` → `high` → `low` open-loop phases. Two request streams share the trace:
-- load:   unique long prompts with long outputs, the KV-filling traffic;
-- probes: one hot-group request (a shared ~1,000-token system prompt + a short question,
-          one output token) every `probe_interval_s`. One output token makes the probe's
-          end-to-end latency its time to first token, and the non-streamed response names
-          the replica that served it (x-kvtide-replica), so the first probes a NEW replica
-          serves are known: their TTFT is the warm-vs-cold figure.
+- load:   unique long prompts with long outputs (streamed, ignore_eos), the KV-filling traffic;
+          its TTFT is the time to the first streamed token;
+- probes: one hot-group request (a shared system prompt + a short question, one output
+          token) every `probe_interval_s`. One output token makes the probe's end-to-end
+          latency its time to first token, and the non-streamed response names the replica
+          that served it (x-kvtide-replica), so the first probes a NEW replica serves are
+          known: their TTFT is the warm-vs-cold figure.
 
-Reported per variant: replica-seconds (∫ RUNNING engine replicas dt, from serve.status()
-polled every second), probe TTFT p50/p99 per phase, time from the load step to the
-scale decision and to the added replica serving (their difference is the new replica's
-start, model load and warm-up), and TTFT of the new replica's first 3 probes.
+Sampled every second: serve.status() (RUNNING and target engine replicas), the live engine
+replica ids (Serve's named replica actors), and the cluster's Prometheus text for
+`ray_vllm_kv_cache_usage_perc` per `ReplicaId` (Ray exports it every --metrics-interval-ms).
+
+Reported per variant (`autoscale.json` → "variants", exactly these keys):
+- step_to_decision_s          load step → first sample whose target replicas exceed the target
+                              at the step (null: no scale-up, or fixed-max)
+- step_to_serving_s           load step → first sample with more RUNNING replicas than at the
+                              step; the gap to the decision is the new replica's start, model
+                              load and (kv) warm-up
+- new_replica_hot_ttft_p50_ms TTFT p50 (ms) of the first `--hot-probes` (20) probes served by the
+                              new replica: the first replica that serves a probe sent after the
+                              step and was not live (nor serving probes) before it (null: none)
+- replica_seconds             ∫ RUNNING engine replicas dt over the trace
+- slo_violations              load and probe requests that did not get a first token within
+                              `--slo-ttft-s` (default 1.0 s): TTFT > SLO, or failed, or
+                              finished without a token (failures count here and under errors)
+- errors                      failed load and probe requests
+Elsewhere in the JSON: "hardware", "command", "config", "slo_ttft_s", "hot_probes", "trace",
+"details" (per variant: probe TTFT by phase, max replicas, request counts, error kinds,
+the new replica's id and TTFTs), "timeline" (per variant: the samples and probes the plot shows)
+and "failed" (variants that did not run, with why). report.md has the table and
+timeline.png (per variant over time: running replicas, mean KV usage over the live
+replicas, probe TTFT). The files are rewritten after every variant.
 Bounded: every phase has a fixed duration; every request a timeout; loopback only.
 """
 
@@ -26,22 +56,51 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import platform
 import random
+import shlex
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
 
 import httpx
 
-from kvtide.benchmarks.report import percentile
+from kvtide.benchmarks.report import DEFAULT_SLO_TTFT_S, percentile
 
-VARIANTS = {
-    "kv": ["autoscaling.policy=kv", "autoscaling.warm_start.enabled=true"],
-    "kv-cold": ["autoscaling.policy=kv", "autoscaling.warm_start.enabled=false"],
-    "queue_length": ["autoscaling.policy=queue_length", "autoscaling.target_ongoing_requests=2"],
-}
+VARIANT_NAMES = ("kv", "kv-cold", "queue_length", "fixed-max")
+VARIANT_KEYS = ("variant", "step_to_decision_s", "step_to_serving_s", "new_replica_hot_ttft_p50_ms",
+                "replica_seconds", "slo_violations", "errors")
+# The CPU demo config sized for this trace on a 2-core machine (only without --config).
+CPU_OVERRIDES = [
+    "metrics.port=8680", "replicas.num_replicas=null", "replicas.min_replicas=1", "replicas.max_replicas=2",
+    "engine.max_model_len=2048", "engine.kv_cache_memory_bytes=16777216",
+]
+# Autoscaling windows short enough for a few-minute trace (any config; --set overrides them).
+TRACE_OVERRIDES = [
+    "autoscaling.look_back_s=4", "autoscaling.upscale_delay_s=4", "autoscaling.downscale_delay_s=20",
+    "autoscaling.max_step=1",
+]
+KV_METRIC = "ray_vllm_kv_cache_usage_perc"
+DEFAULT_HOT_PROBES = 20
 WORDS = "red green blue cyan magenta yellow black white orange purple brown pink gray olive navy teal".split()
+
+
+def variant_overrides(variant: str, max_replicas: int, queue_target_ongoing: float = 2.0) -> list[str]:
+    """The config overrides that make `variant` out of the shared config (applied last)."""
+    if variant == "kv":
+        return ["autoscaling.policy=kv", "autoscaling.warm_start.enabled=true"]
+    if variant == "kv-cold":
+        return ["autoscaling.policy=kv", "autoscaling.warm_start.enabled=false"]
+    if variant == "queue_length":
+        return ["autoscaling.policy=queue_length", f"autoscaling.target_ongoing_requests={queue_target_ongoing:g}"]
+    if variant == "fixed-max":
+        return ["replicas.min_replicas=null", "replicas.max_replicas=null", f"replicas.num_replicas={max_replicas}"]
+    raise ValueError(f"unknown variant {variant!r}; choose from {VARIANT_NAMES}")
 
 
 @dataclass
@@ -58,6 +117,10 @@ class Trace:
     load_output_tokens: int = 160
     hot_prefix_words: int = 500
 
+    @property
+    def total_s(self) -> float:
+        return self.low_s + self.high_s + self.tail_s
+
     def phase_at(self, t_s: float) -> str:
         if t_s < self.low_s:
             return "low"
@@ -67,70 +130,244 @@ class Trace:
 @dataclass
 class Probe:
     sent_s: float
-    latency_s: float | None
+    latency_s: float | None  # None: failed
     replica: str
     phase: str
+    error: str = ""
+
+
+@dataclass
+class Load:
+    sent_s: float
+    ok: bool
+    ttft_s: float | None  # None: failed, or finished without a token
+    error: str = ""
+
+
+@dataclass
+class Sample:
+    """One second's look at the cluster (t from the trace start)."""
+
+    t_s: float
+    running: int
+    target: int
+    live: tuple[str, ...] = ()  # live engine replica ids (unknown: empty)
+    kv: dict[str, float] = field(default_factory=dict)  # KV usage 0..1 per ReplicaId, as last exported
 
 
 @dataclass
 class RunResult:
     variant: str
     probes: list[Probe] = field(default_factory=list)
-    replicas: list[tuple[float, int, int]] = field(default_factory=list)  # (t_s, running, target)
-    load_errors: int = 0
-    load_sent: int = 0
+    samples: list[Sample] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
 
+
+# ---- pure: parsing, selection, summaries -----------------------------------------------------
+
+def kv_usage_by_replica(text: str, metric: str = KV_METRIC) -> dict[str, float]:
+    """{ReplicaId: KV usage} from Prometheus text (max over a replica's series; no label: key "")."""
+    import re
+
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(metric) or line[len(metric):len(metric) + 1] not in ("{", " "):
+            continue
+        m = re.search(r'ReplicaId="([^"]*)"', line)
+        try:
+            value = float(line.rsplit("}", 1)[-1].split()[0]) if "}" in line else float(line.split()[1])
+        except (IndexError, ValueError):
+            continue
+        key = m.group(1) if m else ""
+        out[key] = max(out.get(key, value), value)
+    return out
+
+
+def kv_mean(kv: Mapping[str, float], live: Iterable[str]) -> float | None:
+    """Mean KV usage over the live replicas that report one (all reporting if the live set is unknown).
+
+    A stopped replica's last exported value can linger in the scrape; the live set drops it.
+    """
+    live = set(live)
+    values = [v for r, v in kv.items() if not live or r in live]
+    return sum(values) / len(values) if values else None
+
+
+def replica_seconds(samples: Sequence[Sample], end_s: float | None = None) -> float:
+    """∫ running replicas dt: each sample holds until the next one (the last until `end_s`)."""
+    total = 0.0
+    for i, s in enumerate(samples):
+        nxt = samples[i + 1].t_s if i + 1 < len(samples) else max(end_s if end_s is not None else s.t_s, s.t_s)
+        total += s.running * (nxt - s.t_s)
+    return total
+
+
+def scale_times(samples: Sequence[Sample], step_s: float) -> tuple[float | None, float | None]:
+    """(step → decision, step → serving) in seconds: the first sample at/after the step whose target
+    (running) replicas exceed the count at the step (the last sample before it); None if never."""
+    before = [s for s in samples if s.t_s < step_s]
+    after = [s for s in samples if s.t_s >= step_s]
+    if not after:
+        return None, None
+    base = before[-1] if before else after[0]
+    decision = next((s.t_s - step_s for s in after if s.target > base.target), None)
+    serving = next((s.t_s - step_s for s in after if s.running > base.running), None)
+    return decision, serving
+
+
+def new_replica_probes(probes: Sequence[Probe], samples: Sequence[Sample], step_s: float,
+                       n: int = DEFAULT_HOT_PROBES) -> tuple[str, list[float]]:
+    """The new replica and the TTFTs of the first `n` probes it served (in send order).
+
+    Old replicas: those live in a sample before the step, or serving a probe sent before it.
+    The new one: the first replica, in send order, to serve a probe sent at/after the step
+    that is not old. ("", []) when no probe reached a new replica.
+    """
+    old = {r for s in samples if s.t_s < step_s for r in s.live}
+    old |= {p.replica for p in probes if p.sent_s < step_s and p.replica}
+    ordered = sorted((p for p in probes if p.replica and p.latency_s is not None), key=lambda p: p.sent_s)
+    new = next((p.replica for p in ordered if p.sent_s >= step_s and p.replica not in old), "")
+    if not new:
+        return "", []
+    return new, [p.latency_s for p in ordered if p.replica == new][:n]  # type: ignore[misc]
+
+
+def count_slo_violations(loads: Iterable[Load], probes: Iterable[Probe], slo_ttft_s: float) -> int:
+    """Load and probe requests without a first token within `slo_ttft_s` (late, failed, or tokenless)."""
+    late_loads = sum(1 for r in loads if not r.ok or r.ttft_s is None or r.ttft_s > slo_ttft_s)
+    late_probes = sum(1 for p in probes if p.latency_s is None or p.latency_s > slo_ttft_s)
+    return late_loads + late_probes
+
+
+def summarize_run(result: RunResult, trace: Trace, *, slo_ttft_s: float = DEFAULT_SLO_TTFT_S,
+                  hot_probes: int = DEFAULT_HOT_PROBES, autoscaled: bool = True) -> dict[str, Any]:
+    """(the variant's JSON object with exactly VARIANT_KEYS, its details) from one run's records."""
+    step_s = trace.low_s
+    decision_s, serving_s = scale_times(result.samples, step_s) if autoscaled else (None, None)
+    new_id, new_ttfts = new_replica_probes(result.probes, result.samples, step_s, hot_probes) if autoscaled else ("", [])
+    errors = sum(not r.ok for r in result.loads) + sum(p.latency_s is None for p in result.probes)
+    row = {
+        "variant": result.variant,
+        "step_to_decision_s": decision_s,
+        "step_to_serving_s": serving_s,
+        "new_replica_hot_ttft_p50_ms": percentile(new_ttfts, 50) * 1000 if new_ttfts else None,
+        "replica_seconds": replica_seconds(result.samples, trace.total_s),
+        "slo_violations": count_slo_violations(result.loads, result.probes, slo_ttft_s),
+        "errors": errors,
+    }
+    phases: dict[str, dict[str, float | None]] = {}
+    for phase in ("low", "high", "tail"):
+        lat = [p.latency_s for p in result.probes if p.phase == phase and p.latency_s is not None]
+        phases[phase] = {"p50": percentile(lat, 50) if lat else None, "p99": percentile(lat, 99) if lat else None,
+                         "n": len(lat)}
+    details = {
+        "max_replicas_seen": max((s.running for s in result.samples), default=0),
+        "new_replica": new_id, "new_replica_hot_ttft_s": new_ttfts,
+        "probe_ttft_by_phase_s": phases,
+        "load_sent": len(result.loads), "load_errors": sum(not r.ok for r in result.loads),
+        "probes_sent": len(result.probes), "probe_errors": sum(p.latency_s is None for p in result.probes),
+        "requests": len(result.loads) + len(result.probes),
+        "error_kinds": error_kinds([*result.loads, *result.probes]),
+    }
+    return {"row": row, "details": details}
+
+
+def error_kinds(requests: Iterable[Load | Probe], width: int = 60) -> dict[str, int]:
+    """{error message cut to `width` chars: count} over failed requests, most frequent first."""
+    counts = Counter(r.error[:width] or "unknown" for r in requests
+                     if (not r.ok if isinstance(r, Load) else r.latency_s is None))
+    return dict(counts.most_common())
+
+
+def timeline(result: RunResult) -> dict[str, Any]:
+    """What the plot shows, as plain lists: replicas and mean KV per sample, probe TTFT per send."""
+    return {
+        "t_s": [s.t_s for s in result.samples],
+        "running": [s.running for s in result.samples],
+        "target": [s.target for s in result.samples],
+        "kv_mean": [kv_mean(s.kv, s.live) for s in result.samples],
+        "probe_sent_s": [p.sent_s for p in result.probes],
+        "probe_ttft_s": [p.latency_s for p in result.probes],
+        "probe_replica": [p.replica for p in result.probes],
+    }
+
+
+def results_json(*, hardware: str, variants: Sequence[Mapping[str, Any]], **extras: Any) -> dict[str, Any]:
+    """autoscale.json: "hardware", "variants" (objects with exactly VARIANT_KEYS), then `extras`."""
+    rows = []
+    for v in variants:
+        missing = set(VARIANT_KEYS) - set(v)
+        if missing:
+            raise ValueError(f"variant object lacks {sorted(missing)}")
+        rows.append({k: v[k] for k in VARIANT_KEYS})
+    return {"hardware": hardware, "variants": rows, **extras}
+
+
+# ---- live: one cluster per variant --------------------------------------------------------------
 
 def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def _poll_replicas(app: str) -> tuple[int, int]:
+def _poll_replicas(app: str) -> tuple[int, int, tuple[str, ...]]:
+    """(RUNNING engine replicas, target = all not STOPPING, live engine replica ids)."""
+    import ray
     from ray import serve
+    from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    from kvtide.deployments.names import ENGINE_DEPLOYMENT
 
     status = serve.status().applications.get(app)
-    if status is None or "Engine" not in status.deployments:
-        return 0, 0
-    dep = status.deployments["Engine"]
-    running = dep.replica_states.get("RUNNING", 0)
-    target = sum(dep.replica_states.values())
-    return running, target
+    if status is None or ENGINE_DEPLOYMENT not in status.deployments:
+        return 0, 0, ()
+    states = {str(getattr(k, "value", k)): v for k, v in status.deployments[ENGINE_DEPLOYMENT].replica_states.items()}
+    running = states.get("RUNNING", 0)
+    target = sum(v for k, v in states.items() if k != "STOPPING")
+    prefix = f"{REPLICA_ID_FULL_ID_STR_PREFIX}{app}#{ENGINE_DEPLOYMENT}#"
+    try:
+        live = tuple(sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+                            if a["namespace"] == SERVE_NAMESPACE and a["name"].startswith(prefix)))
+    except Exception:  # the ids only refine the KV mean and the old-replica set
+        live = ()
+    return running, target, live
 
 
-async def _drive(base_url: str, model: str, trace: Trace, result: RunResult, app: str, seed: int) -> None:
+async def _drive(base_url: str, metrics_url: str, model: str, trace: Trace, result: RunResult, app: str,
+                 seed: int) -> None:
+    from kvtide.benchmarks.loadgen import send_one
+    from kvtide.benchmarks.workloads import BenchRequest
+
     rng = random.Random(seed)
     hot = _words(random.Random(seed + 1), trace.hot_prefix_words)
-    total_s = trace.low_s + trace.high_s + trace.tail_s
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
         start = time.monotonic()
+        t0 = time.perf_counter()
         tasks: list[asyncio.Task] = []
 
         async def load_one(i: int) -> None:
-            result.load_sent += 1
-            try:
-                r = await client.post("/v1/completions", json={
-                    "model": model, "prompt": _words(random.Random(seed * 7919 + i), trace.load_prompt_words),
-                    "max_tokens": trace.load_output_tokens})
-                result.load_errors += r.status_code != 200
-            except httpx.HTTPError:
-                result.load_errors += 1
+            prompt = _words(random.Random(seed * 7919 + i), trace.load_prompt_words)
+            req = BenchRequest(({"role": "user", "content": prompt},), trace.load_output_tokens, f"load-{i}")
+            r = await send_one(client, f"{base_url}/v1/completions", req, model, "completions", t0)
+            result.loads.append(Load(r.start_s, r.ok, r.ttft_s if r.ok else None, r.error or ""))
 
         async def probe_one(i: int) -> None:
             t = time.monotonic() - start
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             try:
                 r = await client.post("/v1/completions", json={
                     "model": model, "prompt": f"{hot} question {i}?", "max_tokens": 1})
                 ok = r.status_code == 200
-                result.probes.append(Probe(t, time.perf_counter() - t0 if ok else None,
-                                           r.headers.get("x-kvtide-replica", ""), trace.phase_at(t)))
-            except httpx.HTTPError:
-                result.probes.append(Probe(t, None, "", trace.phase_at(t)))
+                result.probes.append(Probe(t, time.perf_counter() - t1 if ok else None,
+                                           r.headers.get("x-kvtide-replica", "") if ok else "", trace.phase_at(t),
+                                           "" if ok else f"HTTP {r.status_code}: {r.text[:200]}"))
+            except httpx.HTTPError as exc:
+                result.probes.append(Probe(t, None, "", trace.phase_at(t), f"{type(exc).__name__}: {exc}"[:200]))
 
         async def arrivals() -> None:
             i = 0
-            while (t := time.monotonic() - start) < total_s:
+            while (t := time.monotonic() - start) < trace.total_s:
                 rate = trace.high_rate if trace.phase_at(t) == "high" else trace.low_rate
                 await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals: pacing, not synchronisation
                 tasks.append(asyncio.create_task(load_one(i)))
@@ -138,117 +375,234 @@ async def _drive(base_url: str, model: str, trace: Trace, result: RunResult, app
 
         async def probes() -> None:
             i = 0
-            while time.monotonic() - start < total_s:
+            while time.monotonic() - start < trace.total_s:
                 tasks.append(asyncio.create_task(probe_one(i)))
                 i += 1
                 await asyncio.sleep(trace.probe_interval_s)
 
         async def watch() -> None:
-            while (t := time.monotonic() - start) < total_s:
-                running, target = await asyncio.to_thread(_poll_replicas, app)
-                result.replicas.append((t, running, target))
-                await asyncio.sleep(1.0)
+            async with httpx.AsyncClient(timeout=5) as scraper:
+                while (t := time.monotonic() - start) < trace.total_s:
+                    running, target, live = await asyncio.to_thread(_poll_replicas, app)
+                    try:
+                        kv = kv_usage_by_replica((await scraper.get(metrics_url)).text)
+                    except httpx.HTTPError:
+                        kv = {}
+                    result.samples.append(Sample(t, running, target, live, kv))
+                    await asyncio.sleep(1.0)  # a sampling period, not synchronisation
 
         await asyncio.gather(arrivals(), probes(), watch())
         await asyncio.gather(*tasks)
 
 
-def summarize_run(result: RunResult, trace: Trace) -> dict[str, Any]:
-    step_s = trace.low_s
-    replica_s = sum(running * 1.0 for _, running, _ in result.replicas)
-    decision_s = next((t - step_s for t, _, target in result.replicas if t >= step_s and target >= 2), None)
-    serving_s = next((t - step_s for t, running, _ in result.replicas if t >= step_s and running >= 2), None)
-    first_replica = next((p.replica for p in result.probes if p.replica), "")
-    new_first = [p.latency_s for p in sorted(result.probes, key=lambda p: p.sent_s)
-                 if p.replica and p.replica != first_replica and p.latency_s is not None][:3]
-    phases: dict[str, dict[str, float | None]] = {}
-    for phase in ("low", "high", "tail"):
-        lat = [p.latency_s for p in result.probes if p.phase == phase and p.latency_s is not None]
-        phases[phase] = {"p50": percentile(lat, 50) if lat else None, "p99": percentile(lat, 99) if lat else None,
-                         "n": len(lat)}
-    return {
-        "variant": result.variant, "replica_seconds": replica_s, "max_replicas_seen": max(
-            (r for _, r, _ in result.replicas), default=0),
-        "scale_decision_after_step_s": decision_s, "added_replica_serving_after_step_s": serving_s,
-        "new_replica_first_probe_ttft_s": new_first, "probe_ttft_by_phase_s": phases,
-        "load_sent": result.load_sent, "load_errors": result.load_errors,
-        "probe_errors": sum(p.latency_s is None for p in result.probes),
-    }
-
-
-def run_variant(variant: str, base_overrides: list[str], trace: Trace, port: int, seed: int) -> dict[str, Any]:
-    from kvtide.cluster import local
-    from kvtide.config import load_config
+def load_variant_config(config_path: str | None, overrides: Sequence[str], variant: str, port: int,
+                        queue_target_ongoing: float) -> Any:
     from kvtide.cluster.cli import default_config_path
+    from kvtide.config import load_config
 
-    config = load_config(default_config_path(), [*base_overrides, *VARIANTS[variant], f"http.port={port}"])
+    path = config_path or default_config_path()
+    shared = load_config(path, list(overrides))
+    if not shared.replicas.autoscaling:
+        raise SystemExit("autoscale: the config must autoscale: set replicas.num_replicas=null and "
+                         "replicas.min_replicas / replicas.max_replicas")
+    return load_config(path, [*overrides, *variant_overrides(variant, shared.replicas.max_replicas,
+                                                             queue_target_ongoing), f"http.port={port}"])
+
+
+def run_variant(variant: str, config: Any, trace: Trace, seed: int, metrics_interval_ms: int) -> RunResult:
+    from kvtide.cluster import local
+
     print(f"autoscale: {variant}: starting ...", flush=True)
-    cluster = local.start(config)
+    cluster = local.start(config, metrics_report_interval_ms=metrics_interval_ms)
     try:
         result = RunResult(variant)
-        asyncio.run(_drive(cluster.base_url, cluster.model_name, trace, result, local.APP_NAME, seed))
+        asyncio.run(_drive(cluster.base_url, cluster.metrics_url, cluster.model_name, trace, result,
+                           local.APP_NAME, seed))
     finally:
         local.stop()
-    summary = summarize_run(result, trace)
-    print(f"autoscale: {variant}: {summary}", flush=True)
-    return summary
+    return result
 
+
+# ---- report ---------------------------------------------------------------------------------
 
 def _f(value: Any, scale: float = 1.0, digits: int = 0) -> str:
     return "–" if value is None else f"{value * scale:.{digits}f}"
 
 
-def markdown(summaries: list[dict[str, Any]], trace: Trace, command: str, overrides: list[str]) -> str:
+def markdown(rows: Sequence[Mapping[str, Any]], details: Mapping[str, Mapping[str, Any]], trace: Trace, *,
+             command: str, hardware: str, config_desc: str, slo_ttft_s: float = DEFAULT_SLO_TTFT_S,
+             hot_probes: int = DEFAULT_HOT_PROBES, failed: Mapping[str, str] | None = None,
+             plot: str | None = None) -> str:
     lines = [
-        "# Autoscaling on a step load: KV policy vs Ray's queue-length policy", "",
-        "Command:", "", f"    {command}", "",
-        f"Cluster: the CPU demo config with {', '.join(f'`{o}`' for o in overrides)}.",
+        "# Autoscaling on a step load: KV policy vs Ray's queue-length policy vs a fixed max fleet", "",
+        f"Hardware: {hardware}. Command:", "", f"    {command}", "",
+        f"Cluster: {config_desc}.",
         f"Trace: {trace.low_s:.0f} s at {trace.low_rate} req/s → {trace.high_s:.0f} s at {trace.high_rate} req/s → "
         f"{trace.tail_s:.0f} s at {trace.low_rate} req/s of KV-filling requests (~{trace.load_prompt_words} words, "
-        f"{trace.load_output_tokens} output tokens), plus a hot-prefix probe (1 output token) every "
-        f"{trace.probe_interval_s} s whose latency is its TTFT.", "",
-        "| variant | replica-seconds | max replicas | step → decision (s) | step → new replica serving (s) "
-        "| new replica's first probes TTFT (ms) | TTFT p50/p99 low (ms) | high (ms) | tail (ms) | errors |",
-        "|---|---:|---:|---:|---:|---|---|---|---|---:|",
+        f"{trace.load_output_tokens} output tokens, streamed), plus a hot-prefix probe (1 output token) every "
+        f"{trace.probe_interval_s} s whose latency is its TTFT. SLO: TTFT ≤ {slo_ttft_s:g} s (load and probes; "
+        "a failed request misses it).", "",
+        f"| variant | replica-seconds | max replicas | step → decision (s) | step → new replica serving (s) "
+        f"| new replica's first {hot_probes} hot probes TTFT p50 (ms, n) | SLO violations / requests "
+        "| probe TTFT p50/p99 low (ms) | high (ms) | tail (ms) | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|",
     ]
-    for s in summaries:
-        ph = s["probe_ttft_by_phase_s"]
-        first = ", ".join(_f(v, 1000) for v in s["new_replica_first_probe_ttft_s"]) or "–"
+    for row in rows:
+        d = details.get(row["variant"], {})
+        ph = d.get("probe_ttft_by_phase_s", {})
+        n_new = len(d.get("new_replica_hot_ttft_s", []))
+        new = "–" if row["new_replica_hot_ttft_p50_ms"] is None else f"{row['new_replica_hot_ttft_p50_ms']:.0f} ({n_new})"
         lines.append(
-            f"| {s['variant']} | {s['replica_seconds']:.0f} | {s['max_replicas_seen']} "
-            f"| {_f(s['scale_decision_after_step_s'])} | {_f(s['added_replica_serving_after_step_s'])} | {first} | "
-            + " | ".join(f"{_f(ph[p]['p50'], 1000)}/{_f(ph[p]['p99'], 1000)}" for p in ("low", "high", "tail"))
-            + f" | {s['load_errors'] + s['probe_errors']} |")
-    lines += ["", "The gap between decision and serving is the new replica's start: Ray scheduling, vLLM engine "
-              "start and model load, and (kv) the warm-up prefill.", ""]
+            f"| {row['variant']} | {row['replica_seconds']:.0f} | {d.get('max_replicas_seen', '–')} "
+            f"| {_f(row['step_to_decision_s'])} | {_f(row['step_to_serving_s'])} | {new} "
+            f"| {row['slo_violations']} / {d.get('requests', '–')} | "
+            + " | ".join(f"{_f(ph.get(p, {}).get('p50'), 1000)}/{_f(ph.get(p, {}).get('p99'), 1000)}"
+                         for p in ("low", "high", "tail"))
+            + f" | {row['errors']} |")
+    lines += ["", "The gap between decision and serving is the new replica's start: Ray scheduling, engine "
+              "start and model load, and (kv) the warm-up prefill. fixed-max runs the max fleet throughout "
+              "(no decision, no new replica).", ""]
+    if plot:
+        lines += [f"![timeline]({plot})", "", "Per variant over time: running engine replicas, KV-cache usage "
+                  "(mean over the live replicas, as Ray last exported it), and probe TTFT (log scale). "
+                  "Dashed lines: the load step up and down; dotted: the TTFT SLO.", ""]
+    if failed:
+        lines += ["Failed to run: " + "; ".join(f"{k}: {v}" for k, v in failed.items()), ""]
     return "\n".join(lines)
+
+
+def write_timeline_plot(timelines: Mapping[str, Mapping[str, Any]], trace: Trace, path: str | Path,
+                        slo_ttft_s: float | None = None) -> Path:
+    """timeline.png: replicas, mean KV usage and probe TTFT over time, one line per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    for name, tl in timelines.items():
+        line, = axes[0].step(tl["t_s"], tl["running"], where="post", label=name)
+        kv = [(t, v) for t, v in zip(tl["t_s"], tl["kv_mean"]) if v is not None]
+        if kv:
+            axes[1].plot([t for t, _ in kv], [v for _, v in kv], color=line.get_color(), label=name)
+        probes = [(t, v) for t, v in zip(tl["probe_sent_s"], tl["probe_ttft_s"]) if v is not None]
+        if probes:
+            axes[2].plot([t for t, _ in probes], [v * 1000 for _, v in probes], ".", ms=3,
+                         color=line.get_color(), label=name)
+    for ax in axes:
+        for x in (trace.low_s, trace.low_s + trace.high_s):
+            ax.axvline(x, color="gray", ls="--", lw=0.8)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("running replicas")
+    axes[0].legend(loc="best", fontsize=8)
+    axes[1].set_ylabel("KV usage (mean)")
+    axes[1].set_ylim(0, 1.05)
+    if slo_ttft_s is not None:
+        axes[2].axhline(slo_ttft_s * 1000, color="red", ls=":", lw=0.8, label="SLO")
+    axes[2].set_ylabel("probe TTFT (ms)")
+    axes[2].set_yscale("log")
+    axes[2].set_xlabel("time since trace start (s)")
+    fig.suptitle("Step load: replicas, KV usage, probe TTFT")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def out_dir_of(out_dir: str | None, out: str | None) -> Path | None:
+    """--out-dir, or the deprecated --out: a DIR, or a FILE.md whose stem names the directory."""
+    if out_dir:
+        return Path(out_dir)
+    if out:
+        p = Path(out)
+        return p.with_suffix("") if p.suffix == ".md" else p
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--variants", default="kv,kv-cold,queue_length")
+    parser.add_argument("--config", "-c", help="kvtide config YAML (default: the CPU demo config + CPU_OVERRIDES)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for every variant (after the trace's own), e.g. replicas.max_replicas=4")
+    parser.add_argument("--variants", default=",".join(VARIANT_NAMES), help=f"comma-separated subset of {VARIANT_NAMES}")
+    parser.add_argument("--hardware", default=f"CPU, {platform.machine()}, {os.cpu_count()} cores",
+                        help="what the JSON and report name as the hardware, e.g. 'NVIDIA H200 x2'")
+    parser.add_argument("--slo-ttft-s", type=float, default=DEFAULT_SLO_TTFT_S,
+                        help="TTFT objective; requests (load and probes) later than it, or failed, are violations")
+    parser.add_argument("--hot-probes", type=int, default=DEFAULT_HOT_PROBES,
+                        help="how many of the new replica's first probes its TTFT p50 covers")
+    parser.add_argument("--queue-target-ongoing", type=float, default=2.0,
+                        help="queue_length variant: autoscaling.target_ongoing_requests")
+    parser.add_argument("--metrics-interval-ms", type=int, default=2000,
+                        help="Ray's metric export period (the KV timeline's resolution; Ray's default is 10000)")
     parser.add_argument("--port", type=int, default=8600)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--low-s", type=float, default=Trace.low_s)
     parser.add_argument("--high-s", type=float, default=Trace.high_s)
     parser.add_argument("--tail-s", type=float, default=Trace.tail_s)
+    parser.add_argument("--low-rate", type=float, default=Trace.low_rate)
     parser.add_argument("--high-rate", type=float, default=Trace.high_rate)
-    parser.add_argument("--out", help="Markdown report path")
+    parser.add_argument("--out-dir", help="write autoscale.json, report.md and timeline.png here")
+    parser.add_argument("--out", help="deprecated: DIR (as --out-dir), or FILE.md meaning the directory FILE")
     args = parser.parse_args(argv)
-    trace = Trace(low_s=args.low_s, high_s=args.high_s, tail_s=args.tail_s, high_rate=args.high_rate)
-    overrides = [
-        "metrics.port=8680", "replicas.num_replicas=null", "replicas.min_replicas=1", "replicas.max_replicas=2",
-        "engine.max_model_len=2048", "engine.kv_cache_memory_bytes=16777216",
-        "autoscaling.look_back_s=4", "autoscaling.upscale_delay_s=4", "autoscaling.downscale_delay_s=20",
-        "autoscaling.max_step=1",
-    ]
-    summaries = [run_variant(v, overrides, trace, args.port, args.seed) for v in args.variants.split(",")]
-    report = markdown(summaries, trace, "python -m kvtide.benchmarks.autoscale " + " ".join(argv or sys.argv[1:]), overrides)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = set(variants) - set(VARIANT_NAMES)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {VARIANT_NAMES}")
+    trace = Trace(low_s=args.low_s, high_s=args.high_s, tail_s=args.tail_s, low_rate=args.low_rate,
+                  high_rate=args.high_rate)
+    overrides = [*([] if args.config else CPU_OVERRIDES), *TRACE_OVERRIDES, *args.overrides]
+    out_dir = out_dir_of(args.out_dir, args.out)
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    command = "python -m kvtide.benchmarks.autoscale " + shlex.join(argv if argv is not None else sys.argv[1:])
+    config_desc = (f"`{args.config}`" if args.config else "the CPU demo config") + (
+        " with " + ", ".join(f"`{o}`" for o in overrides) if overrides else "")
+
+    rows: list[dict[str, Any]] = []
+    details: dict[str, Any] = {}
+    timelines: dict[str, Any] = {}
+    failed: dict[str, str] = {}
+    for variant in variants:
+        try:
+            config = load_variant_config(args.config, overrides, variant, args.port, args.queue_target_ongoing)
+            result = run_variant(variant, config, trace, args.seed, args.metrics_interval_ms)
+        except Exception as exc:  # one variant failing to start must not lose the others' numbers
+            print(f"autoscale: {variant} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            failed[variant] = f"{type(exc).__name__}: {exc}"[:300]
+            continue
+        summary = summarize_run(result, trace, slo_ttft_s=args.slo_ttft_s, hot_probes=args.hot_probes,
+                                autoscaled=variant != "fixed-max")
+        rows.append(summary["row"])
+        details[variant] = summary["details"]
+        timelines[variant] = timeline(result)
+        print(f"autoscale: {variant}: {summary}", flush=True)
+        write_outputs(out_dir, rows, details, timelines, failed, trace, args, command, config_desc, overrides)
+    report = write_outputs(out_dir, rows, details, timelines, failed, trace, args, command, config_desc, overrides)
     print(report)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(report)
-    return 0
+    return 1 if failed else 0
+
+
+def write_outputs(out_dir: Path | None, rows: list[dict[str, Any]], details: dict[str, Any],
+                  timelines: dict[str, Any], failed: dict[str, str], trace: Trace, args: argparse.Namespace,
+                  command: str, config_desc: str, overrides: list[str]) -> str:
+    """autoscale.json, timeline.png and report.md so far (after every variant: a killed run keeps the rest)."""
+    plot = None
+    if out_dir and timelines:
+        write_timeline_plot(timelines, trace, out_dir / "timeline.png", args.slo_ttft_s)
+        plot = "timeline.png"
+    report = markdown(rows, details, trace, command=command, hardware=args.hardware, config_desc=config_desc,
+                      slo_ttft_s=args.slo_ttft_s, hot_probes=args.hot_probes, failed=failed, plot=plot)
+    if out_dir:
+        data = results_json(
+            hardware=args.hardware, variants=rows, command=command,
+            config={"path": args.config, "overrides": overrides, "queue_target_ongoing": args.queue_target_ongoing},
+            slo_ttft_s=args.slo_ttft_s, hot_probes=args.hot_probes, trace=asdict(trace), details=details,
+            timeline=timelines, failed=failed)
+        (out_dir / "autoscale.json").write_text(json.dumps(data, indent=2) + "\n")
+        (out_dir / "report.md").write_text(report)
+    return report
 
 
 if __name__ == "__main__":
