@@ -23,8 +23,11 @@ def test_stop_without_a_ray_connection_starts_no_new_ray(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
     monkeypatch.setattr(ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    # Not the real sweep: in a full run this process's children are the integration tests'
+    # Ray cluster, and killing its GCS makes Ray exit this process (rc 1, no pytest summary).
+    monkeypatch.setattr(local, "_terminate_then_kill", lambda procs, grace_s: calls.append("sweep"))
     local.stop(drain_timeout_s=1.0)
-    assert calls == ["ray.shutdown"]
+    assert calls == ["ray.shutdown", "sweep"]
 
 
 @pytest.mark.parametrize("in_flight, ray_outlives_stop, drains", [
@@ -104,15 +107,17 @@ def test_engine_processes_are_those_under_the_engine_replicas():
 
 
 def _child(code: str) -> psutil.Process:
-    proc = subprocess.Popen([sys.executable, "-c", code])
-    time.sleep(0.5)  # let it install its signal handler
+    """A child running `code` once it has printed that it is set up (signal handler installed)."""
+    proc = subprocess.Popen([sys.executable, "-c", code + "\n"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
     return psutil.Process(proc.pid)
 
 
 def test_terminate_then_kill_kills_what_ignores_sigterm_and_reaps_everything():
     """SIGTERM first; a process ignoring it is killed after the grace; none is left, not even a zombie."""
-    polite = _child("import time; time.sleep(60)")
-    stubborn = _child("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)")
+    polite = _child("import time; print('ready', flush=True); time.sleep(60)")
+    stubborn = _child("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+                      "time.sleep(60)")
     local._terminate_then_kill([polite, stubborn], grace_s=1.0)
     for proc in (polite, stubborn):
         assert not psutil.pid_exists(proc.pid)  # exited and reaped
