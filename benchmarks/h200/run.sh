@@ -86,8 +86,11 @@ case "${1:-placement}" in
 start)  # the stages run in a copy: the next device call replaces the checkout under a running script
   shift
   rm -rf /tmp/drv && mkdir -p /tmp/drv "$RES" && cp -r "$REPO/benchmarks" "$REPO/cluster" /tmp/drv/ && mkdir /tmp/drv/.gpu && cp -r "$REPO/.gpu/extra" "$REPO/.gpu/kvtide" /tmp/drv/.gpu/
-  (cd /tmp/drv && setsid nohup bash -c "for s in $*; do echo \"== \$s \$(date +%T)\"; OUT=$RES bash benchmarks/h200/run.sh \$s; done; echo \"== done \$(date +%T)\"" \
-      > "$RES/driver.log" 2>&1 < /dev/null &)
+  # exec: the background subshell becomes setsid, which (not a group leader) execs bash: the
+  # recorded pid is the driver's session id, which `poll` stops.
+  (cd /tmp/drv && exec setsid nohup bash -c "for s in $*; do echo \"== \$s \$(date +%T)\"; OUT=$RES bash benchmarks/h200/run.sh \$s; done; echo \"== done \$(date +%T)\"" \
+      > "$RES/driver.log" 2>&1 < /dev/null) &
+  echo $! > "$RES/driver.pid"
   setsid nohup nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 2 \
       > "$RES/gpu-util.csv" 2>/dev/null < /dev/null &
   sleep 2; cat "$RES/driver.log"
@@ -96,7 +99,10 @@ poll)  # poll SECONDS [PATTERN]: also stops the driver once PATTERN shows in a c
   for i in $(seq 1 "${2:-60}"); do
     grep -q "^== done" "$RES/driver.log" 2>/dev/null && break
     if [ -n "${3:-}" ] && grep -qh "$3" "$RES"/*/compare.log 2>/dev/null; then
-      echo "poll: '$3' seen: stopping the driver"; pkill -f "run.sh|kvtide.cluster.cli|vllm.entrypoints|haproxy"
+      # The driver's session, then what runs in sessions of its own (bare vLLM servers, HAProxy);
+      # not "run.sh" by name: that would match this poll too.
+      echo "poll: '$3' seen: stopping the driver"; kill -- "-$(cat "$RES/driver.pid")" 2>/dev/null
+      pkill -f "kvtide.cluster.cli|vllm.entrypoints|haproxy"
       python3 -c "import ray.scripts.scripts as s; s.main()" stop --force > /dev/null 2>&1; break
     fi
     (( i % 30 == 0 )) && tar czf "$OUT/results.tar.gz" --exclude='*.requests.jsonl' -C "$RES" .
