@@ -86,11 +86,10 @@ case "${1:-placement}" in
 start)  # the stages run in a copy: the next device call replaces the checkout under a running script
   shift
   rm -rf /tmp/drv && mkdir -p /tmp/drv "$RES" && cp -r "$REPO/benchmarks" "$REPO/cluster" /tmp/drv/ && mkdir /tmp/drv/.gpu && cp -r "$REPO/.gpu/extra" "$REPO/.gpu/kvtide" /tmp/drv/.gpu/
-  # exec: the background subshell becomes setsid, which (not a group leader) execs bash: the
-  # recorded pid is the driver's session id, which `poll` stops.
-  (cd /tmp/drv && exec setsid nohup bash -c "for s in $*; do echo \"== \$s \$(date +%T)\"; OUT=$RES bash benchmarks/h200/run.sh \$s; done; echo \"== done \$(date +%T)\"" \
-      > "$RES/driver.log" 2>&1 < /dev/null) &
-  echo $! > "$RES/driver.pid"
+  # The driver records its own pid: under setsid it leads its session and process group, which
+  # `poll` stops (setsid forks first when called from a group leader, so $! would be wrong).
+  (cd /tmp/drv && setsid nohup bash -c "echo \$\$ > $RES/driver.pid; for s in $*; do echo \"== \$s \$(date +%T)\"; OUT=$RES bash benchmarks/h200/run.sh \$s; done; echo \"== done \$(date +%T)\"" \
+      > "$RES/driver.log" 2>&1 < /dev/null &)
   setsid nohup nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 2 \
       > "$RES/gpu-util.csv" 2>/dev/null < /dev/null &
   sleep 2; cat "$RES/driver.log"
