@@ -67,6 +67,17 @@ def running_engines(app: str) -> int:
     return status.deployments["Engine"].replica_states.get("RUNNING", 0)
 
 
+def decided_engines(app: str) -> int:
+    """Engine replicas of `app` decided and not leaving (STARTING, UPDATING or RUNNING)."""
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    if status is None or "Engine" not in status.deployments:
+        return 0
+    states = status.deployments["Engine"].replica_states
+    return sum(states.get(state, 0) for state in ("STARTING", "UPDATING", "RUNNING"))
+
+
 def engine_actor_names(app: str) -> list[str]:
     """Ray actor names of `app`'s engine replicas (namespace 'serve')."""
     import ray

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 from ray import serve
-from support import metric_sum, running_engines, wait_for
+from support import decided_engines, metric_sum, running_engines, wait_for
 
 from kvtide.cluster.app import build_from_config
 from kvtide.config import load_config
@@ -63,11 +63,17 @@ def test_kv_pressure_scales_up_warm_and_back_down(cluster, cluster_config):
         workers = [threading.Thread(target=load, args=(w,), daemon=True) for w in range(num_workers)]
         for w in workers:
             w.start()
-        # The bound is generous (engine start on a loaded 2-core machine); wait_for raises past it.
-        wait_for(lambda: running_engines(APP) == 2, timeout_s=150, interval_s=1.0, what="a second engine replica")
+        # The load stops once the second replica is decided, before it can take traffic: a
+        # long request landing on the new replica (4k tokens of KV) would evict the warmed
+        # prefix and make the check below depend on timing. The law never scales down while
+        # a replica starts, so the decision stands.
+        wait_for(lambda: decided_engines(APP) == 2, timeout_s=90, interval_s=0.5, what="a scale-up decision")
         stop.set()
         for w in workers:
             w.join(timeout=180)
+        assert not any(w.is_alive() for w in workers), "a load request never finished"
+        # The bound is generous (engine start on a loaded 2-core machine); wait_for raises past it.
+        wait_for(lambda: running_engines(APP) == 2, timeout_s=150, interval_s=1.0, what="a second engine replica")
 
         # The new replica prefilled the hot prefix before taking traffic, so its very first
         # request of the hot group is served from cache.
