@@ -366,6 +366,7 @@ def serving(policy: str, config: KvtideConfig, out: Path, args: argparse.Namespa
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from kvtide.benchmarks.plots import write_plots, write_sweep_plots
+    from kvtide.benchmarks.overhead import stop_servers_on_sigterm
     from kvtide.benchmarks.report import RequestResult, compare_markdown, sweep_markdown
     from kvtide.cluster.cli import default_config_path
 
@@ -373,6 +374,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if not policies:
         print("kvtide bench compare: --policies is empty; give e.g. bare,pow2,prefix_aware", file=sys.stderr)
         return 2
+    stop_servers_on_sigterm()  # a stopped run must not leave servers behind
     config_path = args.config or default_config_path()
     configs = {p: policy_config(config_path, args.overrides, p) for p in policies}
     points = [(name, level) for name in args.workload for level in loads_from_args(args)]

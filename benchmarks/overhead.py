@@ -107,6 +107,19 @@ def serve_kvtide(config_path: str, overrides: list[str], mode: str, port: int, m
 GROUP_EXIT_S = 5.0
 
 
+def stop_servers_on_sigterm() -> None:
+    """Make SIGTERM unwind like Ctrl-C, so every `server_process` block stops its servers.
+
+    Python's default SIGTERM kills the benchmark without running `finally` blocks, which
+    left bare vLLM servers, the balancer and Ray Serve LLM's child cluster running (and
+    holding ports and GPUs) after `timeout` or a driver stopped a run.
+    """
+    def on_sigterm(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 @contextlib.contextmanager
 def server_process(cmd: list[str], log_path: Path, stop_signal: int = signal.SIGTERM,
                    env: Mapping[str, str] | None = None, stop_timeout_s: float = 90.0) -> Iterator[Callable[[], bool]]:
@@ -311,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--out-dir", help="write results.json and report.md here")
     args = parser.parse_args(argv)
+    stop_servers_on_sigterm()
 
     config_path = args.config or default_config_path()
     config = load_config(config_path, [*args.overrides, "replicas.num_replicas=1", "replicas.min_replicas=null",

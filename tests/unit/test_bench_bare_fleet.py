@@ -146,3 +146,20 @@ def test_stop_sweeps_what_the_leader_leaves_in_its_group():
     stop_process_group(proc, stop_signal=15, timeout_s=10)
     assert proc.returncode == 0
     assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+
+
+def test_sigterm_to_a_benchmark_stops_the_servers_it_started(tmp_path):
+    """SIGTERM to a benchmark process unwinds its server_process blocks: the server it started is gone."""
+    bench = ("import sys\n"
+             "from pathlib import Path\n"
+             "from kvtide.benchmarks.overhead import server_process, stop_servers_on_sigterm\n"
+             "stop_servers_on_sigterm()\n"
+             f"with server_process(['sleep', '300'], Path({str(tmp_path / 'server.log')!r}), stop_timeout_s=5):\n"
+             "    import psutil\n"
+             "    print(psutil.Process().children()[0].pid, flush=True)\n"
+             "    sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", bench], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    server = psutil.Process(int(proc.stdout.readline()))  # blocks until the server runs
+    proc.terminate()
+    assert proc.wait(timeout=30) == 128 + 15
+    assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
