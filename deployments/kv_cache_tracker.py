@@ -13,6 +13,11 @@ block's kvtide hash is `chain_hash(kvtide_hash(parent), tokens)`.
     BlockRemoved(hs)                 held -= vllm_to_ours.pop(h)
     AllBlocksCleared                 held = {}, vllm_to_ours = {}; remember "cleared"
 
+Every change to `held` (a hash entering or leaving it, not each vLLM event: two vLLM
+blocks can hold one hash) is also written to a `DigestJournal`, which builds the
+digests: this period's delta plus the last few, and the full set now and then
+(`deployments.routing.snapshot` has the protocol).
+
 Pure (no ZMQ, no Ray): `deployments.kv_events` feeds it decoded events.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from kvtide.deployments.routing.block_hash import BlockHash, chain_hash, salt_root
+from kvtide.deployments.routing.digest_journal import DEFAULT_DELTA_WINDOW, DEFAULT_FULL_EVERY, DigestJournal
 from kvtide.deployments.routing.snapshot import CacheDigest
 
 
@@ -42,15 +48,15 @@ def first_block_salt(event: Any) -> str | None:
 class KvCacheTracker:
     """Block set of one engine replica, in kvtide hashes; digested for `record_routing_stats`."""
 
-    def __init__(self, replica_id: str, epoch: int, block_size: int):
+    def __init__(self, replica_id: str, epoch: int, block_size: int, *, delta_window: int = DEFAULT_DELTA_WINDOW,
+                 full_every: int = DEFAULT_FULL_EVERY):
         self.replica_id = replica_id
         self.epoch = epoch
         self.block_size = block_size
         self._vllm_to_ours: dict[Any, BlockHash] = {}
         # A hash can be stored by two vLLM blocks (same prefix recomputed): count holders.
         self._held: dict[BlockHash, int] = {}
-        self._cleared_since_digest = False
-        self._sequence = 0
+        self._journal = DigestJournal(replica_id, epoch, delta_window=delta_window, full_every=full_every)
 
     @property
     def num_blocks(self) -> int:
@@ -74,7 +80,10 @@ class KvCacheTracker:
             ours = chain_hash(parent, tokens)
             if self._vllm_to_ours.get(vllm_hash) != ours:
                 self._vllm_to_ours[vllm_hash] = ours
-                self._held[ours] = self._held.get(ours, 0) + 1
+                count = self._held.get(ours, 0)
+                self._held[ours] = count + 1
+                if count == 0:
+                    self._journal.stored(ours)
             parent = ours
 
     def on_removed(self, vllm_hashes: Iterable[Any]) -> None:
@@ -85,13 +94,13 @@ class KvCacheTracker:
             left = self._held.get(ours, 0) - 1
             if left > 0:
                 self._held[ours] = left
-            else:
-                self._held.pop(ours, None)
+            elif self._held.pop(ours, None) is not None:
+                self._journal.removed(ours)
 
     def on_all_cleared(self) -> None:
+        self._journal.cleared(self._held)
         self._vllm_to_ours.clear()
         self._held.clear()
-        self._cleared_since_digest = True
 
     def apply(self, event: Any) -> None:
         """Apply one decoded vLLM KV event (BlockStored / BlockRemoved / AllBlocksCleared)."""
@@ -105,7 +114,9 @@ class KvCacheTracker:
             self.on_all_cleared()
 
     def digest(self, now_s: float) -> CacheDigest:
-        self._sequence += 1
-        cleared, self._cleared_since_digest = self._cleared_since_digest, False
-        return CacheDigest.from_hashes(self.replica_id, self.epoch, self._sequence, self._held,
-                                       all_cleared=cleared, timestamp_s=now_s)
+        """This report period's digest (deltas; the full set when due): one call per report, it advances the sequence."""
+        return self._journal.digest(self._held, now_s)
+
+    def held_hashes(self) -> frozenset[BlockHash]:
+        """The block set now (tests, debugging; the router learns it from digests)."""
+        return frozenset(self._held)

@@ -4,7 +4,7 @@ Ray Serve pushes each replica's `record_routing_stats()` payload to the router w
 replica list (`RequestRouter.update_replicas`, about once per stats period). Everything
 that payload implies is applied here, then, off the request path:
 
-    sync(stats by replica)      digest → RouterState (decode ~5 ms per 100k blocks, once per report)
+    sync(stats by replica)      digest → RouterState (its deltas, or a full set after a gap)
                                 load numbers → cached per replica
                                 a new report → this router's pick-only count restarts at 0
                                 replicas no longer listed → forgotten (index, sessions)
@@ -19,6 +19,7 @@ hands plain dicts and ids in.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
 from kvtide.deployments.routing.policy import RouterState
@@ -29,8 +30,7 @@ def rekey(digest: CacheDigest, replica_id: str) -> CacheDigest:
     """Digests are keyed by the router's replica id (the engine may name itself differently)."""
     if digest.replica_id == replica_id:
         return digest
-    return CacheDigest(replica_id, digest.epoch, digest.sequence, digest.blocks, digest.all_cleared,
-                       digest.timestamp_s)
+    return replace(digest, replica_id=replica_id)
 
 
 class FleetView:

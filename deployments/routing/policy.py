@@ -116,7 +116,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Literal, Sequence
 
 from kvtide.config import RoutingConfig
@@ -173,8 +172,12 @@ def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshot
     total_load = sum(loads)
     limit = tunables.load_guard_factor * (total_load / len(loads)) + tunables.load_guard_slack
     matched = index.match(request_hashes, now_s) if request_hashes else {}
-    matched_get = matched.get
-    best_blocks = max(map(matched_get, ids, repeat(0, len(ids)))) if matched else 0  # only replicas we may use
+    if matched:
+        matched_get = matched.get
+        blocks_of = [matched_get(rid, 0) for rid in ids]  # only replicas we may use
+        best_blocks = max(blocks_of)
+    else:
+        blocks_of, best_blocks = [0] * len(ids), 0
 
     # group, replicate
     group = group_key(request_hashes, key_blocks_for(tunables.replication_key_tokens, block_size))
@@ -186,51 +189,93 @@ def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshot
     # sticky
     sticky = sessions.last_replica(session_key, now_s) if sessions is not None and session_key is not None else None
 
-    # score
+    # score: plain lists of numbers, no per-replica tuples (fewer allocations, fewer GC passes)
+    cached = blocks_of
+    if credit:
+        cached = [credit if blocks < credit and rid in members else blocks for blocks, rid in zip(blocks_of, ids)]
     num_blocks = len(request_hashes)
     per_request = tunables.tokens_per_queued_request
+    costs = [(num_blocks - c) * block_size + per_request * load for c, load in zip(cached, loads)]
     kv_guard = tunables.kv_usage_guard_perc
-    keyed = []
-    for snap, rid, load in zip(snapshots, ids, loads):
-        blocks = matched_get(rid, 0)
-        cached = credit if blocks < credit and rid in members else blocks
-        over = load > limit or snap.kv_usage_perc >= kv_guard
-        cost = (num_blocks - cached) * block_size + per_request * load
-        keyed.append((over, over or rid != sticky, cost, rid, blocks))
+    over = [load > limit or snap.kv_usage_perc >= kv_guard for snap, load in zip(snapshots, loads)]
 
-    # pick
-    keyed.sort()
-    if len(keyed) > 1 and keyed[1][:3] == keyed[0][:3]:
-        keyed = _break_tie_for_first(keyed, session_key, group, rng)
-    first = keyed[0]
-    picked_blocks = first[4]
+    # pick: the order of sorting (over, over or rid != sticky, cost, rid), built as a stable
+    # sort by cost of the replica-id order, then a stable partition by guard and session.
+    order = _by_replica_id(ids)
+    order.sort(key=costs.__getitem__)
+    order, first_sticky = _partition(order, over, ids, sticky)
+    if not first_sticky and len(order) > 1:
+        tied = _tied_for_first(order, over, costs)
+        if tied > 1:
+            order[:tied] = _break_tie_for_first(order[:tied], ids, session_key, group, rng)
+    picked_blocks = blocks_of[order[0]]
     if best_blocks == 0:
         outcome: Outcome = "no_match"
     elif picked_blocks == best_blocks:
         outcome = "cache_hit"
     else:
         outcome = "load_fallback"
-    return RoutingDecision([k_[3] for k_ in keyed], outcome, picked_blocks * block_size, k, not first[1])
+    return RoutingDecision([ids[i] for i in order], outcome, picked_blocks * block_size, k, first_sticky)
 
 
-def _break_tie_for_first(keyed: list[tuple], session_key: str | None, group: BlockHash | None,
-                         rng: random.Random) -> list[tuple]:
+_ID_ORDERS: dict[tuple[str, ...], list[int]] = {}
+_MAX_ID_ORDERS = 256  # candidate lists seen by one router: a few per fleet shape; cleared when exceeded
+
+
+def _by_replica_id(ids: list[str]) -> list[int]:
+    """Positions of `ids` in replica-id order, as a new list (memoized: the candidate list rarely changes)."""
+    key = tuple(ids)
+    order = _ID_ORDERS.get(key)
+    if order is None:
+        if len(_ID_ORDERS) >= _MAX_ID_ORDERS:
+            _ID_ORDERS.clear()
+        order = _ID_ORDERS[key] = sorted(range(len(ids)), key=ids.__getitem__)
+    return order[:]
+
+
+def _partition(order: list[int], over: list[bool], ids: list[str], sticky: str | None) -> tuple[list[int], bool]:
+    """`order` with the replicas under the guard first, the session's replica first among them (stable otherwise).
+
+    Also whether the first place is the session's replica.
+    """
+    if True in over:
+        under = [i for i in order if not over[i]]
+        order = under + [i for i in order if over[i]]
+    else:
+        under = order
+    if sticky is None or not under:
+        return order, False
+    for pos in range(len(under)):
+        if ids[order[pos]] == sticky:
+            order.insert(0, order.pop(pos))
+            return order, True
+    return order, False
+
+
+def _tied_for_first(order: list[int], over: list[bool], costs: list[float]) -> int:
+    """How many replicas share the first place's (guard, cost): the ones the tiebreak reorders."""
+    first = order[0]
+    first_over, first_cost = over[first], costs[first]
+    end = 1
+    while end < len(order) and costs[order[end]] == first_cost and over[order[end]] == first_over:
+        end += 1
+    return end
+
+
+def _break_tie_for_first(tied: list[int], ids: list[str], session_key: str | None, group: BlockHash | None,
+                         rng: random.Random) -> list[int]:
     """Order the replicas tied for first place: by rendezvous weight of the session key, else of the group.
 
     Only the first place is contested (later places are tried only when the first rejects,
     and keep their replica-id order), so the weights are computed for a few replicas, not N.
     """
-    end = 1
-    while end < len(keyed) and keyed[end][:3] == keyed[0][:3]:
-        end += 1
-    tied = keyed[:end]
     tie_key = rendezvous.hash_str(session_key) if session_key is not None else group
     if tie_key is None:
         rng.shuffle(tied)  # no blocks, no session: nothing for routers to agree on
-    else:
-        weights = rendezvous.weights(tie_key, [k_[3] for k_ in tied])
-        tied.sort(key=lambda k_: weights[k_[3]], reverse=True)
-    return tied + keyed[end:]
+        return tied
+    weights = rendezvous.weights(tie_key, [ids[i] for i in tied])
+    tied.sort(key=lambda i: weights[ids[i]], reverse=True)
+    return tied
 
 
 def _replica_set(group: BlockHash, request_hashes: Sequence[BlockHash], ids: list[str], best_blocks: int,

@@ -2,7 +2,7 @@
 
 Two sources, merged at lookup time:
 
-    engine truth   block hash ──► {replica ids}          replaced per replica by each CacheDigest
+    engine truth   block hash ──► {replica ids}          kept current per replica by its CacheDigests
     routed         block hash ──► {replica id: expires_s} what this router sent since, optimistic
     expiry queue   [(expires_s, replica id, hashes), ...] time-ordered, for pruning `routed`
 
@@ -11,12 +11,21 @@ so without `routed` the second request of a burst that shares a prefix would not
 the first one just went to replica A. `routed` entries are a guess (the engine may
 evict them, or never finish the prefill), so they expire after `history_ttl_s`; a
 block the engine really holds stays attractive through the digests, and affinity the
-engine does not confirm decays. Digests REPLACE a replica's engine set, so evictions
-are seen at the next report.
+engine does not confirm decays. A digest moves a replica's engine set to the engine's
+state at that report -- by its deltas (cost ∝ blocks changed) when they start right after
+the last report applied, else by its full set (cost ∝ blocks held) -- so evictions are seen
+at the next report. A report that is not newer than the last one applied is ignored (no
+resurrection by a late report); one that neither delta nor full set can apply leaves the
+replica's set at the last exact state applied (protocol: `snapshot`).
 
 Invariants:
 - `_engine[h]` is never an empty set (emptied entries are deleted), so the index size
   tracks the blocks held, not the blocks ever seen.
+- `rid in _engine[h]` iff `h in _engine_blocks[rid]`: the two are one relation, indexed
+  both ways, and every update goes through `_add_holder` / `_drop_holder`.
+- `_engine[h]` is a shared frozenset only when it has exactly one holder (`_solo`), else a
+  set of its own, so it is never mutated while shared. Readers treat both as read-only sets.
+- `_applied[rid] = (epoch, sequence)` names the engine state `_engine_blocks[rid]` equals.
 - `_routed[h][r]` is the latest expiry for (h, r); an expiry-queue item whose expiry
   no longer matches was refreshed by a later routing and is skipped when pruned.
 - Time is always a parameter (`now_s`); nothing here reads a clock.
@@ -28,7 +37,7 @@ from collections import deque
 from typing import Iterable, Sequence
 
 from kvtide.deployments.routing.block_hash import BlockHash
-from kvtide.deployments.routing.snapshot import CacheDigest
+from kvtide.deployments.routing.snapshot import BlockDelta, CacheDigest, unpack_hashes
 
 _NO_REPLICAS: frozenset[str] = frozenset()
 _NEVER = float("-inf")
@@ -41,8 +50,9 @@ class PrefixIndex:
         if history_ttl_s <= 0:
             raise ValueError(f"history_ttl_s must be positive, got {history_ttl_s}")
         self.history_ttl_s = history_ttl_s
-        self._engine: dict[BlockHash, set[str]] = {}
-        self._engine_blocks: dict[str, frozenset[BlockHash]] = {}
+        self._engine: dict[BlockHash, set[str] | frozenset[str]] = {}
+        self._solo: dict[str, frozenset[str]] = {}  # replica → {replica}: the holders of its blocks alone
+        self._engine_blocks: dict[str, set[BlockHash]] = {}
         self._applied: dict[str, tuple[int, int]] = {}  # replica → (epoch, sequence) of its last digest
         self._routed: dict[BlockHash, dict[str, float]] = {}
         self._expiry: deque[tuple[float, str, Sequence[BlockHash]]] = deque()
@@ -50,30 +60,90 @@ class PrefixIndex:
     # ---- updates ---------------------------------------------------------------------
 
     def apply_digest(self, digest: CacheDigest) -> bool:
-        """Replace the replica's engine-truth set; False (ignored) if not newer than the last one applied."""
+        """Move the replica's engine-truth set to `digest`'s report; False if it was not applied.
+
+        Not applied: a report not newer than the last one applied (late, duplicate), or a
+        gap that neither its deltas nor a full set can bridge (the set stays at the last
+        report applied; a later full set resyncs it).
+        """
         rid = digest.replica_id
         last = self._applied.get(rid)
         if last is not None and not digest.is_newer_than(*last):
             return False
+        if last is None or digest.epoch > last[0]:
+            # A new engine lifetime (or the first report this router sees) starts from an
+            # empty cache at sequence 0, so a chain reaching back to sequence 1 rebuilds it;
+            # the previous lifetime's blocks are gone with its engine.
+            self._replace_engine_set(rid, frozenset())
+            last = self._applied[rid] = (digest.epoch, 0)
+        chain = digest.deltas_after(last[1])
+        if chain:  # the common case: this report's delta, right after the last one applied
+            for delta in chain:
+                self._apply_delta(rid, delta)
+            cleared = any(delta.all_cleared for delta in chain)
+        elif digest.has_full_set:
+            self._replace_engine_set(rid, digest.hashes())
+            # A reset inside the gap is seen only if the chain still holds it (or this report's flag).
+            cleared = digest.all_cleared or any(d.all_cleared for d in digest.deltas if d.sequence > last[1])
+        elif chain is None:
+            return False
+        else:
+            cleared = digest.all_cleared  # sequence 0 with no full set: the empty start, as assumed
         self._applied[rid] = (digest.epoch, digest.sequence)
-        new = digest.hashes()
-        old = self._engine_blocks.get(rid, frozenset())
-        engine = self._engine
-        for h in old - new:
-            holders = engine[h]
-            holders.discard(rid)
-            if not holders:
-                del engine[h]
-        for h in new - old:
-            holders = engine.get(h)
-            if holders is None:
-                engine[h] = {rid}
-            else:
-                holders.add(rid)
-        self._engine_blocks[rid] = new
-        if digest.all_cleared:
+        if cleared:
             self._forget_routed(rid)
         return True
+
+    def _apply_delta(self, rid: str, delta: BlockDelta) -> None:
+        # Idempotent per block (removing a block not held, storing one held, do nothing),
+        # so the invariants hold whatever a delta says. The per-replica set is updated by
+        # C-level set operations; only the reverse index needs a Python loop per block.
+        blocks = self._engine_blocks[rid]
+        removed = blocks.intersection(unpack_hashes(delta.removed))
+        blocks.difference_update(removed)
+        self._drop_holder(rid, removed)
+        stored = set(unpack_hashes(delta.stored))
+        stored.difference_update(blocks)
+        blocks.update(stored)
+        self._add_holder(rid, stored)
+
+    def _replace_engine_set(self, rid: str, new: frozenset[BlockHash]) -> None:
+        """Make the replica's engine set `new`, touching only the blocks that differ (cost ∝ both sets)."""
+        blocks = self._engine_blocks.setdefault(rid, set())
+        removed, stored = blocks - new, new - blocks
+        blocks.difference_update(removed)
+        self._drop_holder(rid, removed)
+        blocks.update(stored)
+        self._add_holder(rid, stored)
+
+    def _add_holder(self, rid: str, hashes: Iterable[BlockHash]) -> None:
+        """Add `rid` to the holders of each of `hashes` (none of which lists it yet)."""
+        # Most blocks have one holder (a conversation's own blocks): they all share one
+        # frozenset per replica instead of a new set each, which halves a delta's cost.
+        # A second holder turns the entry into a mutable set of its own.
+        engine = self._engine
+        engine_get = engine.get
+        solo = self._solo.get(rid)
+        if solo is None:
+            solo = self._solo[rid] = frozenset((rid,))
+        for h in hashes:
+            holders = engine_get(h)
+            if holders is None:
+                engine[h] = solo
+            elif holders.__class__ is frozenset:
+                engine[h] = {*holders, rid}
+            else:
+                holders.add(rid)
+
+    def _drop_holder(self, rid: str, hashes: Iterable[BlockHash]) -> None:
+        """Remove `rid` from the holders of each of `hashes` (each lists it)."""
+        engine = self._engine
+        for h in hashes:
+            holders = engine[h]
+            if len(holders) == 1:
+                del engine[h]
+            else:
+                holders.discard(rid)  # two or more holders: a mutable set
 
     def on_routed(self, replica_id: str, hashes: Sequence[BlockHash], now_s: float) -> None:
         """Record that this router sent a request with `hashes` to `replica_id` at `now_s`."""
@@ -104,11 +174,8 @@ class PrefixIndex:
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget a replica entirely (it stopped or was replaced); rare, so O(index size) is fine."""
-        for h in self._engine_blocks.pop(replica_id, frozenset()):
-            holders = self._engine[h]
-            holders.discard(replica_id)
-            if not holders:
-                del self._engine[h]
+        self._drop_holder(replica_id, self._engine_blocks.pop(replica_id, ()))
+        self._solo.pop(replica_id, None)
         self._applied.pop(replica_id, None)
         self._forget_routed(replica_id)
 
@@ -128,8 +195,11 @@ class PrefixIndex:
         owners = self._routed.get(block_hash)
         if not owners:
             return engine or _NO_REPLICAS
-        live = {rid for rid, expires_s in owners.items() if expires_s > now_s}
-        return (engine | live) if engine else live
+        if not engine:
+            return {rid for rid, expires_s in owners.items() if expires_s > now_s}
+        # Only routed owners the engine does not confirm need their expiry read (usually few).
+        live = [rid for rid in owners.keys() - engine if owners[rid] > now_s]
+        return engine.union(live) if live else engine
 
     def match(self, hashes: Sequence[BlockHash], now_s: float) -> dict[str, int]:
         """Longest cached prefix per replica, in blocks; replicas matching nothing are absent.
@@ -155,13 +225,19 @@ class PrefixIndex:
             # replicas (a hot system prompt replicated on most of the fleet is the common case).
             if engine is not None and candidates <= engine:
                 continue
+            # Slow path: only the candidates the engines do not confirm (a C-level set
+            # difference, usually a few) need the routing history's expiry read.
+            unconfirmed = candidates if engine is None else candidates - engine
             owners = routed_get(h)
-            dropped = [rid for rid in candidates
-                       if (engine is None or rid not in engine)
-                       and (owners is None or owners.get(rid, _NEVER) <= now_s)]
+            if owners is None:
+                dropped = unconfirmed
+            else:
+                dropped = [rid for rid in unconfirmed if owners.get(rid, _NEVER) <= now_s]
             if dropped:
                 for rid in dropped:
                     matched[rid] = depth
+                if len(dropped) == len(candidates):
+                    return matched
                 candidates.difference_update(dropped)
         for rid in candidates:
             matched[rid] = len(hashes)
@@ -183,6 +259,14 @@ class PrefixIndex:
     def num_routed_blocks(self) -> int:
         """Distinct block hashes in the routing history (pruned lazily)."""
         return len(self._routed)
+
+    def held_by(self, replica_id: str) -> frozenset[BlockHash]:
+        """The replica's engine-truth set as last applied (a copy)."""
+        return frozenset(self._engine_blocks.get(replica_id, ()))
+
+    def applied(self, replica_id: str) -> tuple[int, int] | None:
+        """(epoch, sequence) of the engine state the replica's set equals, None before any report."""
+        return self._applied.get(replica_id)
 
     def replicas(self) -> Iterable[str]:
         return set(self._engine_blocks) | {rid for owners in self._routed.values() for rid in owners}

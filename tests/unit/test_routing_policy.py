@@ -160,3 +160,39 @@ def test_route_label_names_how_the_first_choice_was_reached(sticky, k, expected)
     from kvtide.deployments.routing.policy import RoutingDecision, route_of
 
     assert route_of(RoutingDecision(["a"], "cache_hit", 0, prefix_replicas=k, sticky=sticky)) == expected
+
+
+
+def _reference_keys(fleet, index, now_s, sticky) -> list[tuple]:
+    """The documented pick order, by the plain tuple sort: (over, over or not sticky, cost, replica id)."""
+    limit = TUNE.load_guard_factor * sum(s.num_queued_requests for s in fleet) / len(fleet) + TUNE.load_guard_slack
+    matched = index.match(PROMPT, now_s)
+    keyed = []
+    for s in fleet:
+        over = s.num_queued_requests > limit or s.kv_usage_perc >= TUNE.kv_usage_guard_perc
+        cost = (len(PROMPT) - matched.get(s.replica_id, 0)) * BS + TUNE.tokens_per_queued_request * s.num_queued_requests
+        keyed.append((over, over or s.replica_id != sticky, cost, s.replica_id))
+    return sorted(keyed)
+
+
+def test_ranking_is_the_documented_sort_on_random_fleets():
+    """The list-based scoring (no per-replica tuples) ranks as the tuple sort it replaced; only ties for first move."""
+    from kvtide.deployments.routing.sessions import SessionTable
+
+    rng = random.Random(5)
+    for trial in range(300):
+        ids = [f"r{i:02d}" for i in rng.sample(range(40), rng.randrange(1, 12))]
+        fleet = [ReplicaSnapshot(r, rng.choice([0, 1, 2, 2, 3, 9]), kv_usage_perc=rng.choice([0.1, 0.1, 0.97]))
+                 for r in ids]
+        index = index_with(**{r: rng.choice([0, 0, 4, 8, 64]) for r in ids})
+        sessions = SessionTable(ttl_s=60.0)
+        sticky = rng.choice(ids + [None, None])
+        if sticky is not None:
+            sessions.remember("s", sticky, 0.0)
+        d = rank_replicas(PROMPT, BS, fleet, index, TUNE, random.Random(trial), now_s=1.0, session_key="s",
+                          sessions=sessions)
+        keyed = _reference_keys(fleet, index, 1.0, sticky)
+        tied = sum(1 for k in keyed if k[:3] == keyed[0][:3])
+        expected = [k[3] for k in keyed]
+        assert sorted(d.ranked[:tied]) == expected[:tied] and d.ranked[tied:] == expected[tied:], trial
+        assert d.sticky == (not keyed[0][1]), trial
