@@ -11,7 +11,7 @@
 #                                              (2 per GPU), bare / pow2 / prefix_aware / round_robin, Zipf
 #                                              shared-prefix at several open-loop rates (POLICIES, RATES, ...)
 #   bash benchmarks/h200/run.sh routing-random the same fleet on random prompts (routing must not hurt)
-#   bash benchmarks/h200/run.sh autoscale      step load, replicas 1 -> 4 (two per GPU, demo model): kv, kv-cold,
+#   bash benchmarks/h200/run.sh autoscale      step load, replicas 1 -> 4 (AUTOSCALE_GPU_SHARE each, demo model): kv, kv-cold,
 #                                              queue_length, fixed-max -> autoscale.json, report.md, timeline.png
 #   bash benchmarks/h200/run.sh start STAGES   run the stages in order in the background (one session's
 #                                              device time is a few device calls: the driver outlives a call)
@@ -118,14 +118,16 @@ routing)
   compare routing-shared-prefix "${POLICIES:-bare,pow2,prefix_aware,round_robin}" shared-prefix "${RATES:-8,16,32}" \
       --zipf-s 0.8 --num-groups 20 --prompts-per-group 64 --system-prompt-len 6000 --question-len 128 --output-len 64
   ;;
-autoscale)
+autoscale)  # AUTOSCALE_GPU_SHARE: GPU per replica (0.5 = two per GPU on the x2; 0.25 = four on one GPU)
   leftovers autoscale
+  ngpu=$(nvidia-smi -L | wc -l); share=${AUTOSCALE_GPU_SHARE:-0.5}; kv=${AUTOSCALE_KV_BYTES:-33554432}
   python3 -m kvtide.benchmarks.autoscale --config "$REPO/cluster/configs/gpu-demo.yaml" \
       --set replicas.num_replicas=null --set replicas.min_replicas=1 --set replicas.max_replicas=4 \
-      --set resources.gpus_per_worker=0.5 --set engine.gpu_memory_utilization=null \
-      --set engine.kv_cache_memory_bytes=2147483648 --set http.port=8300 --set metrics.port=8390 \
-      --high-rate "${HIGH_RATE:-40}" --queue-target-ongoing "${QUEUE_TARGET:-16}" \
-      --hardware "2 × NVIDIA H200 (nvidia-h200-x2), demo model, up to 4 replicas (2 per GPU, 2 GiB KV each)" \
+      --set resources.gpus_per_worker="$share" --set engine.gpu_memory_utilization=null \
+      --set engine.kv_cache_memory_bytes="$kv" --set engine.max_model_len=2048 \
+      --set http.port=8300 --set metrics.port=8390 --variants "${VARIANTS:-kv,queue_length,kv-cold,fixed-max}" \
+      --high-rate "${HIGH_RATE:-20}" --queue-target-ongoing "${QUEUE_TARGET:-2}" ${TRACE_ARGS:-} \
+      --hardware "$ngpu × NVIDIA H200, demo model, up to 4 replicas ($share GPU and $((kv / 1048576)) MiB of KV each)" \
       --out-dir "$RES/autoscale" > "$RES/autoscale.log" 2>&1
   echo "autoscale: exit $?" >> "$RES/driver-notes.txt"
   ;;
