@@ -31,6 +31,9 @@ class RoutingConfig(Strict):
     # guard" true (factor >= 1, slack >= 0).
     tokens_per_queued_request: float = Field(
         256.0, ge=0, description="prefix_aware: prefill-token cost of one request already queued on a replica.")
+    uncached_weight: float = Field(
+        2.0, ge=1.0, description="prefix_aware: weight of a request's own uncached prompt tokens against work "
+                                 "already queued (1: its wait alone; 2: also the fleet's prefill it spends).")
     load_guard_factor: float = Field(
         1.25, ge=1.0, description="prefix_aware: a replica above factor x mean load (+ slack) loses its affinity.")
     load_guard_slack: float = Field(2.0, ge=0, description="prefix_aware: requests of slack added to the load guard.")

@@ -30,6 +30,7 @@ from kvtide.deployments.kv_cache_tracker import KvCacheTracker
 from kvtide.deployments.kv_events import KvEventListener, new_ipc_endpoint
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest
 from kvtide.deployments.names import INGRESS_DEPLOYMENT
+from kvtide.deployments.pending_prefill import PendingPrefill
 
 logger = logging.getLogger("kvtide.engine")
 
@@ -92,6 +93,7 @@ class EngineReplica:
                 buffer_steps=KV_EVENTS_REPLAY_STEPS)
         logger.info("starting vLLM engine: %s (bind=%s)", kwargs, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
         self.load = EngineLoad()
+        self.pending_prefill = PendingPrefill()
         self.prometheus_loggers: list = []
         self.engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**kwargs),
@@ -172,11 +174,14 @@ class EngineReplica:
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt  # vLLM keeps this salt's cached blocks apart
+        self.pending_prefill.start(request.request_id, self._uncached_tokens(request))
         outputs = self.engine.generate(prompt, params, request_id=request.request_id)
         try:
             async for out in outputs:
                 completion = out.outputs[0]
                 first = num_output_tokens == 0 and len(completion.token_ids) > 0
+                if first:
+                    self.pending_prefill.done(request.request_id)
                 num_output_tokens += len(completion.token_ids)
                 yield GenerateDelta(
                     text=completion.text,
@@ -194,6 +199,17 @@ class EngineReplica:
             self.aborted_requests.inc(1, {"model": self.config.model_name})
             await outputs.aclose()
             raise
+        finally:
+            self.pending_prefill.done(request.request_id)
+
+    def _uncached_tokens(self, request: GenerateRequest) -> int:
+        """The prompt tokens this replica must still compute for `request` (its own block set's view)."""
+        cached_blocks = 0
+        if self.kv_listener is not None:
+            cached_blocks = self.kv_listener.tracker.cached_prefix_blocks(
+                request.block_hashes, request.prompt_token_ids, request.cache_salt)
+        return PendingPrefill.uncached_tokens(len(request.prompt_token_ids), cached_blocks,
+                                              self.config.engine.block_size)
 
     async def ready(self) -> bool:
         """Cheap call the ingress uses for /ready: answered only by a running replica."""
@@ -208,6 +224,7 @@ class EngineReplica:
             "num_running": load.num_running,
             "num_waiting": load.num_waiting,
             "kv_usage_perc": load.kv_usage_perc,
+            "pending_prefill_tokens": self.pending_prefill.total_tokens,
         }
         if self.kv_listener is not None:
             stats["digest"] = self.kv_listener.digest(time.time())

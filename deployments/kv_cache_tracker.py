@@ -23,9 +23,9 @@ Pure (no ZMQ, no Ray): `deployments.kv_events` feeds it decoded events.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
-from kvtide.deployments.routing.block_hash import BlockHash, chain_hash, salt_root
+from kvtide.deployments.routing.block_hash import BlockHash, chain_hash, held_prefix_blocks, salt_root
 from kvtide.deployments.routing.digest_journal import DEFAULT_DELTA_WINDOW, DEFAULT_FULL_EVERY, DigestJournal
 from kvtide.deployments.routing.snapshot import CacheDigest
 
@@ -116,6 +116,25 @@ class KvCacheTracker:
     def digest(self, now_s: float) -> CacheDigest:
         """This report period's digest (deltas; the full set when due): one call per report, it advances the sequence."""
         return self._journal.digest(self._held, now_s)
+
+    def cached_prefix_blocks(self, hashes: Sequence[BlockHash], token_ids: Sequence[int],
+                             cache_salt: str | None = None) -> int:
+        """How many of a prompt's full blocks, from the first, this replica holds.
+
+        From its chained `hashes` when the caller has them (ingress mode), else hashed from
+        `token_ids` up to the first miss (direct mode). Read from the event loop while the
+        listener thread writes: a dict lookup is atomic under the GIL, and an answer one
+        event old only shifts an estimate.
+        """
+        held = self._held
+        if not hashes:
+            return held_prefix_blocks(token_ids, self.block_size, held, salt_root(cache_salt))
+        count = 0
+        for block in hashes:
+            if block not in held:
+                break
+            count += 1
+        return count
 
     def held_hashes(self) -> frozenset[BlockHash]:
         """The block set now (tests, debugging; the router learns it from digests)."""

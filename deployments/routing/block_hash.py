@@ -32,7 +32,7 @@ from __future__ import annotations
 import sys
 from array import array
 from hashlib import blake2b
-from typing import NewType, Sequence
+from typing import Container, NewType, Sequence
 
 BlockHash = NewType("BlockHash", int)  # 64-bit, unsigned; never a token id
 
@@ -69,6 +69,27 @@ def chain_hash(parent: BlockHash | None, block_token_ids: Sequence[int]) -> Bloc
     """
     data = _parent_bytes(parent) + _pack_tokens(block_token_ids).tobytes()
     return BlockHash(int.from_bytes(blake2b(data, digest_size=_HASH_BYTES).digest(), "little"))
+
+
+def held_prefix_blocks(token_ids: Sequence[int], block_size: int, held: Container[BlockHash],
+                       parent: BlockHash | None = None) -> int:
+    """How many full blocks of `token_ids`, from the first, have their chained hash in `held`.
+
+    `block_hashes` stopped at the first miss: a cold prompt costs one hash, a cached one
+    the hashes of its cached part (the engine replica's pending-prefill estimate, in direct
+    mode, where nobody hashed the prompt for it).
+    """
+    num_blocks = len(token_ids) // block_size if block_size > 0 else 0
+    if num_blocks == 0:
+        return 0
+    packed = _pack_tokens(token_ids[: num_blocks * block_size]).tobytes()
+    step = block_size * 4
+    prev = _parent_bytes(parent)
+    for i, start in enumerate(range(0, num_blocks * step, step)):
+        prev = blake2b(prev + packed[start:start + step], digest_size=_HASH_BYTES).digest()
+        if int.from_bytes(prev, "little") not in held:
+            return i
+    return num_blocks
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, parent: BlockHash | None = None) -> list[BlockHash]:

@@ -11,8 +11,13 @@ Algorithm, one decision:
     candidates   one entry per snapshot (replicas the router may use right now)
     match        index.match(hashes): longest cached prefix per replica, in blocks
     guard        load(r) = r.num_queued_requests
-                 limit   = load_guard_factor × mean(load) + load_guard_slack
-                 over(r) = load(r) > limit  or  r.kv_usage_perc >= kv_usage_guard_perc
+                 pend(r) = r.pending_prefill_tokens  (prompt tokens accepted, not yet prefilled)
+                 work(r) = pend(r) + tokens_per_queued_request × load(r)           (tokens)
+                 limit   = load_guard_factor × mean(work)
+                           + load_guard_slack × tokens_per_queued_request + the prompt's tokens
+                           (with pend = 0 everywhere: load(r) > factor × mean(load) + slack)
+                 over(r) = work(r) > limit
+                           or (r.kv_usage_perc >= kv_usage_guard_perc and r holds < half the prompt)
     group        g = hash of the request's first replication_key_tokens (whole blocks)
     replicate    demand(g) = share(g) × Σ load        (share: g's decayed share of requests)
                  k = ceil(demand(g) / (replication_fill × limit)), 1 ≤ k ≤ replication_max_replicas, N
@@ -20,8 +25,10 @@ Algorithm, one decision:
                            credit = min(blocks the request shares with g's shared prefix,
                                         the longest match any candidate has)
     score        cached(r) = max(matched(r), credit) if r ∈ set(g) else matched(r)
-                 cost(r)   = (len(hashes) − cached(r)) × block_size      (prefill it must do)
-                           + tokens_per_queued_request × load(r)         (work ahead of it)
+                 cost(r)   = (len(hashes) − cached(r)) × block_size × uncached_weight
+                                                                         (prefill it must do)
+                           + pend(r)                                     (prefill ahead of it)
+                           + tokens_per_queued_request × load(r)         (decode work ahead of it)
     sticky       s = the replica that served this session's last turn (session_ttl_s), if known
     pick         sort by (over, r ≠ s unless over, cost, replica id):
                  every replica under the guard comes before every replica over it,
@@ -33,6 +40,15 @@ Algorithm, one decision:
                  rejects) keep replica-id order, so weights are computed for the few
                  tied replicas, not all N
 
+Why pending prefill (pend) and not a request count alone: on 4 H200 replicas with
+6,000-token system prompts (benchmarks/results/h200-session-2026-12-01) the count-only
+cost and guard moved requests off the replica holding their prefix as queues grew, each
+move a cold prefill that evicted another group there: the hit rate fell from 0.75 to
+0.15 as the load rose, against an oracle of 0.79-0.94. A queued hit costs ~100 tokens, a
+queued miss thousands; engines report the uncached tokens they have yet to prefill
+(`deployments.pending_prefill`), and the router adds what it sent since. Engines that
+report none (pend = 0 everywhere) give exactly the count-only guard.
+
 Consequences, each pinned by a unit test:
 - Affinity never overrides the load guard: a replica holding the whole prefix (or
   credited with it, or serving the session) but over the limit ranks after every
@@ -40,7 +56,7 @@ Consequences, each pinned by a unit test:
 - No match anywhere: the uncached term is equal for all, so the least loaded wins;
   there is no "smallest tree" fallback that would herd new prefixes onto one replica.
 - A longer prefix beats a shorter one at equal load; a cached prefix is worth
-  `block_size × blocks / tokens_per_queued_request` requests of queue.
+  `uncached_weight × block_size × blocks / tokens_per_queued_request` requests of queue.
 - Hot prefixes replicate, they are not sprayed: a group whose estimated in-flight demand
   exceeds replication_fill × limit counts as cached (up to its shared prefix) on k
   replicas picked by rendezvous hashing, so its traffic spreads over those k by load,
@@ -77,13 +93,20 @@ and why:
   one, in prefill-token equivalents. With continuous batching a request ahead does not
   block, it takes a share of each step: its own uncached prompt (in cache-friendly
   workloads a question of ~128 tokens) plus its decode steps. 256 makes a cached
-  2,048-token system prompt worth 8 queued requests.
+  2,048-token system prompt worth 16 queued requests (with uncached_weight 2).
+- uncached_weight = 2.0: the request's own uncached tokens count twice against work
+  already queued: once for its wait (its TTFT), once for the fleet's prefill capacity it
+  spends (and the prefix its blocks evict there). Work already queued is spent whichever
+  replica this request goes to. With 1, a replica caught mid-prefill of one prompt (the
+  engine's report) ties with a cold replica for the next request of the same prefix.
 - load_guard_factor = 1.25: the bounded-load constant c of consistent hashing with
   bounded loads; no replica takes more than 25 % above the mean for affinity's sake.
 - load_guard_slack = 2.0 (requests): keeps the guard from firing on noise at low load
   (mean 1 → limit 3.25, not 1.25), where a queue of 2 costs less than a 2k prefill.
 - kv_usage_guard_perc = 0.95: a replica whose KV cache is this full by running
-  requests would preempt or evict to admit a new prefill; it counts as over the guard.
+  requests would preempt or evict to admit a new prefill; it counts as over the guard
+  for a request it holds less than half of (a hit adds few blocks; under overload every
+  engine's cache is this full, and barring hits then sprays cold prefills).
 - history_ttl_s = 10.0: how long the router's own routing counts as cached before a
   digest confirms it (used by `PrefixIndex`). Long enough to cover a queued request's
   prefill plus a few digest periods (1 s), short enough that a mistaken guess (evicted,
@@ -170,7 +193,20 @@ def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshot
     ids = [s.replica_id for s in snapshots]
     loads = [s.num_queued_requests for s in snapshots]
     total_load = sum(loads)
-    limit = tunables.load_guard_factor * (total_load / len(loads)) + tunables.load_guard_slack
+    factor, slack = tunables.load_guard_factor, tunables.load_guard_slack
+    limit = factor * (total_load / len(loads)) + slack  # in requests: replication's scale
+    per_request = tunables.tokens_per_queued_request
+    num_blocks = len(request_hashes)
+    pendings = [s.pending_prefill_tokens for s in snapshots]
+    if any(pendings):
+        # The guard weighs work in tokens: a replica with many cached (cheap) requests
+        # queued is less loaded than one with a few cold prefills. Work moves in steps of
+        # a prompt, so one prompt like this one is slack too: a report caught mid-prefill
+        # must not cost a replica its affinity at low load.
+        work = [pending + per_request * load for load, pending in zip(loads, pendings)]
+        work_limit = factor * (sum(work) / len(work)) + slack * per_request + num_blocks * block_size
+    else:
+        work, work_limit = loads, limit
     matched = index.match(request_hashes, now_s) if request_hashes else {}
     if matched:
         matched_get = matched.get
@@ -193,11 +229,15 @@ def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshot
     cached = blocks_of
     if credit:
         cached = [credit if blocks < credit and rid in members else blocks for blocks, rid in zip(blocks_of, ids)]
-    num_blocks = len(request_hashes)
-    per_request = tunables.tokens_per_queued_request
-    costs = [(num_blocks - c) * block_size + per_request * load for c, load in zip(cached, loads)]
+    new_prefill = tunables.uncached_weight * block_size
+    costs = [(num_blocks - c) * new_prefill + pending + per_request * load
+             for c, pending, load in zip(cached, pendings, loads)]
     kv_guard = tunables.kv_usage_guard_perc
-    over = [load > limit or snap.kv_usage_perc >= kv_guard for snap, load in zip(snapshots, loads)]
+    # A full KV cache bars new prefills, not hits: a replica holding at least half the
+    # prompt needs few new blocks for it, and sending it elsewhere means a cold prefill
+    # that evicts another prefix there.
+    over = [w > work_limit or (snap.kv_usage_perc >= kv_guard and 2 * held < num_blocks)
+            for snap, w, held in zip(snapshots, work, blocks_of)]
 
     # pick: the order of sorting (over, over or rid != sticky, cost, rid), built as a stable
     # sort by cost of the replica-id order, then a stable partition by guard and session.

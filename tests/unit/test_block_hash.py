@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvtide.deployments.routing.block_hash import block_hashes, chain_hash
+from kvtide.deployments.routing.block_hash import block_hashes, chain_hash, held_prefix_blocks
 
 BS = 4
 TOKENS = list(range(100, 118))  # 4 full blocks of 4 + 2 trailing tokens
@@ -95,3 +95,13 @@ def test_salted_chains_differ_at_every_block_and_continue_like_unsalted_ones():
     assert salt_root(None) is None and salt_root("") is None
     salted = chains[1]
     assert block_hashes(tokens[32:], 16, parent=salted[1]) == salted[2:]
+
+
+def test_held_prefix_blocks_stops_at_the_first_miss():
+    """The count of leading full blocks whose chained hash is held, as block_hashes would name them."""
+    tokens = list(range(40))  # 5 blocks of 8
+    hashes = block_hashes(tokens, 8)
+    assert held_prefix_blocks(tokens, 8, set(hashes[:3])) == 3
+    assert held_prefix_blocks(tokens, 8, set(hashes)) == 5
+    assert held_prefix_blocks(tokens, 8, set(hashes[1:])) == 0  # a chain needs its first block
+    assert held_prefix_blocks(tokens[:7], 8, set(hashes)) == 0  # no full block

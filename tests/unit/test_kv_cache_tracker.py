@@ -108,3 +108,15 @@ def test_the_lora_name_is_not_taken_for_a_salt():
     t = _tracker()
     t.apply(_vllm_stored(["v1"], None, tokens, extra_keys=[("my-lora",)], lora_name="my-lora"))
     assert t.digest(0.0).hashes() == frozenset(block_hashes(tokens, BS))
+
+
+def test_cached_prefix_blocks_from_hashes_or_tokens():
+    """The replica's own view of a prompt's cached prefix: from the router's hashes, or hashed up to the first miss."""
+    tracker = _tracker()
+    tokens = list(range(20))  # 5 blocks
+    tracker.apply(BlockStored(["v0", "v1", "v2"], None, tokens[:12]))
+    hashes = block_hashes(tokens, BS)
+    assert tracker.cached_prefix_blocks(hashes, tokens) == 3
+    assert tracker.cached_prefix_blocks((), tokens) == 3  # direct mode: nobody hashed it
+    assert tracker.cached_prefix_blocks((), [99] + tokens[1:]) == 0  # first block differs
+    assert tracker.cached_prefix_blocks((), tokens, cache_salt="tenant") == 0  # another tenant's chain

@@ -68,9 +68,53 @@ def test_load_guard_is_strict_even_with_huge_affinity_weight():
 
 
 def test_kv_full_replica_counts_as_over_guard():
-    """A replica whose KV cache is at the usage guard loses its affinity to one that has room."""
+    """A replica whose KV cache is at the usage guard loses its affinity (under half the prompt) to one with room."""
     snapshots = [ReplicaSnapshot("a", 0, kv_usage_perc=0.97), ReplicaSnapshot("b", 0, kv_usage_perc=0.2)]
-    assert decide(snapshots, index_with(a=64)).ranked == ["b", "a"]
+    assert decide(snapshots, index_with(a=31)).ranked == ["b", "a"]
+
+
+def test_kv_full_replica_keeps_requests_it_mostly_holds():
+    """A full KV cache bars new prefills, not hits: holding half the prompt or more, the replica keeps it."""
+    snapshots = [ReplicaSnapshot("a", 0, kv_usage_perc=0.97), ReplicaSnapshot("b", 0, kv_usage_perc=0.2)]
+    assert decide(snapshots, index_with(a=32)).ranked == ["a", "b"]
+    assert decide(snapshots, index_with(a=64)).ranked == ["a", "b"]
+
+
+def test_a_report_caught_mid_prefill_keeps_affinity():
+    """One prompt's worth of pending prefill on the holder (a report taken mid-prefill) does not move its prefix."""
+    snapshots = [ReplicaSnapshot("a", 1, pending_prefill_tokens=64 * BS), ReplicaSnapshot("b", 0)]
+    d = decide(snapshots, index_with(a=64))
+    assert (d.ranked[0], d.outcome) == ("a", "cache_hit")
+
+
+def test_pending_prefill_counts_as_work_ahead():
+    """At equal queue counts, the replica with fewer prompt tokens still to prefill wins (no cache anywhere)."""
+    snapshots = [ReplicaSnapshot("a", 2, pending_prefill_tokens=12_000), ReplicaSnapshot("b", 2)]
+    assert decide(snapshots, index_with()).ranked == ["b", "a"]
+
+
+def test_cheap_queue_keeps_affinity_under_overload():
+    """Many queued hits (little prefill) do not push a holder over the guard; a few cold prefills do.
+
+    The count-only guard (limit 1.25 × mean 10 + 2 = 14.5) puts `a`, with 16 queued, over it
+    and sends its prefix elsewhere; weighed in tokens, 16 cheap requests are less work than b's
+    and c's 7 cold 6k-token prefills each.
+    """
+    snapshots = [ReplicaSnapshot("a", 16, pending_prefill_tokens=16 * 128),
+                 ReplicaSnapshot("b", 7, pending_prefill_tokens=7 * 6_000),
+                 ReplicaSnapshot("c", 7, pending_prefill_tokens=7 * 6_000)]
+    d = decide(snapshots, index_with(a=64))
+    assert (d.ranked[0], d.outcome) == ("a", "cache_hit")
+    count_only = [ReplicaSnapshot("a", 16), ReplicaSnapshot("b", 7), ReplicaSnapshot("c", 7)]
+    assert decide(count_only, index_with(a=64)).ranked[0] != "a"
+
+
+def test_cold_prefills_push_a_replica_over_the_guard():
+    """A replica whose pending prefill is far above the fleet's mean loses even a full prefix match."""
+    snapshots = [ReplicaSnapshot("a", 2, pending_prefill_tokens=40_000), ReplicaSnapshot("b", 2),
+                 ReplicaSnapshot("c", 2)]
+    d = decide(snapshots, index_with(a=64))
+    assert (d.ranked[-1], d.outcome) == ("a", "load_fallback")
 
 
 def test_engine_queue_counts_as_load():
@@ -165,12 +209,20 @@ def test_route_label_names_how_the_first_choice_was_reached(sticky, k, expected)
 
 def _reference_keys(fleet, index, now_s, sticky) -> list[tuple]:
     """The documented pick order, by the plain tuple sort: (over, over or not sticky, cost, replica id)."""
-    limit = TUNE.load_guard_factor * sum(s.num_queued_requests for s in fleet) / len(fleet) + TUNE.load_guard_slack
+    per_request = TUNE.tokens_per_queued_request
+    work = {s.replica_id: s.pending_prefill_tokens + per_request * s.num_queued_requests for s in fleet}
+    limit = (TUNE.load_guard_factor * sum(work.values()) / len(fleet) + TUNE.load_guard_slack * per_request
+             + len(PROMPT) * BS)
+    if not any(s.pending_prefill_tokens for s in fleet):  # the count-only guard, exactly
+        work = {s.replica_id: s.num_queued_requests for s in fleet}
+        limit = TUNE.load_guard_factor * sum(work.values()) / len(fleet) + TUNE.load_guard_slack
     matched = index.match(PROMPT, now_s)
     keyed = []
     for s in fleet:
-        over = s.num_queued_requests > limit or s.kv_usage_perc >= TUNE.kv_usage_guard_perc
-        cost = (len(PROMPT) - matched.get(s.replica_id, 0)) * BS + TUNE.tokens_per_queued_request * s.num_queued_requests
+        held = matched.get(s.replica_id, 0)
+        over = work[s.replica_id] > limit or (s.kv_usage_perc >= TUNE.kv_usage_guard_perc and 2 * held < len(PROMPT))
+        cost = ((len(PROMPT) - held) * BS * TUNE.uncached_weight + s.pending_prefill_tokens
+                + per_request * s.num_queued_requests)
         keyed.append((over, over or s.replica_id != sticky, cost, s.replica_id))
     return sorted(keyed)
 
@@ -182,7 +234,8 @@ def test_ranking_is_the_documented_sort_on_random_fleets():
     rng = random.Random(5)
     for trial in range(300):
         ids = [f"r{i:02d}" for i in rng.sample(range(40), rng.randrange(1, 12))]
-        fleet = [ReplicaSnapshot(r, rng.choice([0, 1, 2, 2, 3, 9]), kv_usage_perc=rng.choice([0.1, 0.1, 0.97]))
+        fleet = [ReplicaSnapshot(r, rng.choice([0, 1, 2, 2, 3, 9]), kv_usage_perc=rng.choice([0.1, 0.1, 0.97]),
+                                 pending_prefill_tokens=rng.choice([0, 0, 0, 128, 2048, 6000]))
                  for r in ids]
         index = index_with(**{r: rng.choice([0, 0, 4, 8, 64]) for r in ids})
         sessions = SessionTable(ttl_s=60.0)
