@@ -285,6 +285,12 @@ def capacity() -> DashboardSpec:
                   (Query(rate_sum(S, "ray_kvtide_engine_warmup_prefill_tokens_total", W), "prefilled"),),
                   unit="short", no_value="no replica started warm",
                   description="Hot shared prefixes a new replica prefilled before taking traffic (cache-warm start)."),
+        PanelSpec("Replica start-up, s by phase (slowest replica)",
+                  (Query(f"max by (phase) ({S('ray_kvtide_engine_start_phase_seconds')})", "{{phase}}"),),
+                  unit="s", no_value="no replica started",
+                  description="Where a new replica's time to serve goes: process start, vLLM import, engine "
+                              "(engine-core spawn, model load, KV cache, CUDA graphs), warm start. The autoscaler's "
+                              "reaction time is the decision plus this."),
     ))
     return DashboardSpec("kvtide-capacity", "kvtide / Capacity & autoscaling",
                          "Is there room for more load: KV usage, queues, preemptions, replica counts.",

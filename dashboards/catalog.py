@@ -133,6 +133,10 @@ CATALOG: tuple[Metric, ...] = (
     Metric("ray_kvtide_engine_warmup_prefill_tokens_total", _C, _E, ("model",), "tokens",
            "Prompt tokens a new replica prefilled (hot shared prefixes) before taking traffic.",
            "model", needs=AUTOSCALING_ON),
+    Metric("ray_kvtide_engine_start_phase_seconds", _G, _E, ("model", "phase"), "seconds",
+           "Seconds the replica's start-up spent per phase: process (actor process start to constructor), "
+           "import (vLLM in the replica), engine (engine-core spawn, model load, KV cache, CUDA graphs), "
+           "warm_start (hot-prefix prefill).", "model", needs="a replica that finished starting"),
     # --- router (deployments/router.py; in each ingress replica's process) ---------------------
     Metric("ray_kvtide_router_decisions_total", _C, _R, ("policy", "outcome", "route"), "decisions",
            "Routing decisions by policy, outcome (cache_hit, load_fallback, no_match) and route (session: the "

@@ -31,6 +31,7 @@ from kvtide.deployments.kv_events import KvEventListener, new_ipc_endpoint
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest
 from kvtide.deployments.names import INGRESS_DEPLOYMENT
 from kvtide.deployments.pending_prefill import PendingPrefill
+from kvtide.deployments.start_phases import describe, start_phases
 
 logger = logging.getLogger("kvtide.engine")
 
@@ -64,10 +65,12 @@ class EngineReplica:
     HOT_PREFIX_SOURCE = INGRESS_DEPLOYMENT
 
     async def __init__(self, config_dict: dict):
+        constructor_s = time.time()
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from kvtide.deployments.engine_stats import EngineLoad, kept_ray_stat_logger, load_logger_factory
 
+        imported_s = time.time()
         self.config: KvtideConfig = parse_config(config_dict)
         self.replica_id = _replica_id()
         if self.config.resources.device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -98,6 +101,7 @@ class EngineReplica:
         self.engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**kwargs),
             stat_loggers=[kept_ray_stat_logger(self.prometheus_loggers), load_logger_factory(self.load)])
+        engine_s = time.time()
         # vLLM's request_success counter does not count aborts; kvtide does.
         self.aborted_requests = metrics.Counter(
             "kvtide_engine_aborted_requests", "Requests aborted in the engine because the caller went away.",
@@ -107,8 +111,20 @@ class EngineReplica:
             tag_keys=("model",))
         # Serve marks the replica running only when this constructor returns: warm first.
         await self._warm_start()
+        self._record_start(constructor_s, imported_s, engine_s, time.time())
         # vLLM's gauges exist from now on, and stay while the engine idles.
         self._gauge_refresh = asyncio.get_running_loop().create_task(self._refresh_gauges())
+
+    def _record_start(self, constructor_s: float, imported_s: float, engine_s: float, warm_s: float) -> None:
+        import psutil
+
+        phases = start_phases(psutil.Process().create_time(), constructor_s, imported_s, engine_s, warm_s)
+        logger.info("replica %s start-up: %s", self.replica_id, describe(phases))
+        gauge = metrics.Gauge("kvtide_engine_start_phase_seconds",
+                              "Seconds this engine replica's start-up spent per phase (process, import, engine, "
+                              "warm_start).", tag_keys=("model", "phase"))
+        for phase, seconds in phases.items():
+            gauge.set(seconds, {"model": self.config.model_name, "phase": phase})
 
     async def _refresh_gauges(self) -> None:
         from kvtide.deployments.engine_stats import refresh_gauges
