@@ -56,7 +56,7 @@ from kvtide.config import RoutingConfig
 from kvtide.deployments.messages import RoutingKey
 from kvtide.deployments.routing.fleet import FleetView
 from kvtide.deployments.routing.policy import RouterState, route_of
-from kvtide.deployments.routing.trust import read_prediction, write_prediction
+from kvtide.deployments.routing.trust import write_prediction
 
 DECISION_LATENCY_BUCKETS_S = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2]
 MATCHED_TOKENS_BUCKETS = [1, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768]
@@ -165,22 +165,13 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
             # Ray takes the first replica of a pick-only ranking and tells the router nothing more.
             picked = decision.ranked[0]
             self._fleet.book_pick(picked)
-            self._fleet.book_prefill(picked, self._uncached_tokens(hashes, decision.matched_tokens))
             self._state.on_routed(picked, hashes, now_s, session_key)
         return [[by_id[rid]] for rid in decision.ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         # Until the engine's next digest, what we just sent counts as cached there.
-        rid, hashes = _rid(replica_id), _request_hashes(pending_request)
-        self._state.on_routed(rid, hashes, time.monotonic(), _session_key(pending_request))
-        # And until its next report, its uncached prompt counts as prefill pending there
-        # (the prediction is for the first-ranked replica: another one counts it all).
-        prediction = read_prediction(_decision_slot(pending_request))
-        cached = prediction.cached_tokens if prediction is not None and prediction.replica_id == rid else 0
-        self._fleet.book_prefill(rid, self._uncached_tokens(hashes, cached))
-
-    def _uncached_tokens(self, hashes: tuple[int, ...], cached_tokens: int) -> int:
-        return max(0, len(hashes) * self._state.block_size - cached_tokens)
+        self._state.on_routed(_rid(replica_id), _request_hashes(pending_request), time.monotonic(),
+                              _session_key(pending_request))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

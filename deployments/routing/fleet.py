@@ -6,8 +6,7 @@ that payload implies is applied here, then, off the request path:
 
     sync(stats by replica)      digest → RouterState (its deltas, or a full set after a gap)
                                 load numbers → cached per replica
-                                a new report → this router's pick-only count and booked
-                                prefill tokens restart at 0 (the report now includes them)
+                                a new report → this router's pick-only count restarts at 0
                                 replicas no longer listed → forgotten (index, sessions)
     snapshots(in-flight counts) per decision: one ReplicaSnapshot per candidate, reused
                                 while the replica's numbers are unchanged
@@ -43,7 +42,6 @@ class FleetView:
         self._reported: dict[str, tuple[int, int, float, int]] = {}
         self._reported_s: dict[str, Any] = {}  # replica → the `reported_s` stamp of its last stats
         self._picks: dict[str, int] = {}  # pick-only choices since that report
-        self._booked_prefill: dict[str, int] = {}  # prefill tokens this router sent since that report
         self._snapshots: dict[str, ReplicaSnapshot] = {}
         self._digest_s: dict[str, float] = {}  # replica → engine timestamp of its newest applied digest
 
@@ -60,7 +58,6 @@ class FleetView:
                 # The engine's numbers now include the picks made before this report.
                 self._reported_s[rid] = reported_s
                 self._picks[rid] = 0
-                self._booked_prefill[rid] = 0
             reported = (int(stats.get("num_running", 0)), int(stats.get("num_waiting", 0)),
                         float(stats.get("kv_usage_perc", 0.0)), int(stats.get("pending_prefill_tokens", 0)))
             if reported != self._reported.get(rid):
@@ -72,8 +69,7 @@ class FleetView:
     def forget(self, replica_id: str) -> None:
         """A replica stopped or died: drop it from the state and from every per-replica table."""
         self.state.remove_replica(replica_id)
-        for table in (self._reported, self._reported_s, self._picks, self._booked_prefill, self._snapshots,
-                      self._digest_s):
+        for table in (self._reported, self._reported_s, self._picks, self._snapshots, self._digest_s):
             table.pop(replica_id, None)
 
     def digest_ages_s(self, now_s: float) -> dict[str, float]:
@@ -88,12 +84,6 @@ class FleetView:
         """A pick-only choice (no request sent through Ray): count it as load until the next report."""
         self._picks[replica_id] = self._picks.get(replica_id, 0) + 1
 
-    def book_prefill(self, replica_id: str, tokens: int) -> None:
-        """Prompt tokens just sent to `replica_id` uncached: pending there until its next report counts them."""
-        if tokens > 0:
-            self._booked_prefill[replica_id] = self._booked_prefill.get(replica_id, 0) + tokens
-            self._snapshots.pop(replica_id, None)
-
     def snapshots(self, in_flight: Iterable[tuple[str, int | None]]) -> list[ReplicaSnapshot]:
         """One snapshot per (replica id, this router's in-flight count or None), in that order."""
         out = []
@@ -103,7 +93,6 @@ class FleetView:
             snap = cache.get(rid)
             if snap is None or snap.num_ongoing_requests != ongoing:
                 running, waiting, kv_usage, pending = self._reported.get(rid, (0, 0, 0.0, 0))
-                pending += self._booked_prefill.get(rid, 0)
                 snap = cache[rid] = ReplicaSnapshot(rid, ongoing, running, waiting, kv_usage, pending)
             out.append(snap)
         return out

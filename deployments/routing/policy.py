@@ -46,8 +46,11 @@ cost and guard moved requests off the replica holding their prefix as queues gre
 move a cold prefill that evicted another group there: the hit rate fell from 0.75 to
 0.15 as the load rose, against an oracle of 0.79-0.94. A queued hit costs ~100 tokens, a
 queued miss thousands; engines report the uncached tokens they have yet to prefill
-(`deployments.pending_prefill`), and the router adds what it sent since. Engines that
-report none (pend = 0 everywhere) give exactly the count-only guard.
+(`deployments.pending_prefill`). The router does not add what it sent since the last
+report: it cannot see a request's prefill end, and on a sequential load that booking
+counted finished prefills as pending and sent a cached prefix elsewhere (the router's
+own in-flight count covers a burst between reports). Engines that report none (pend = 0
+everywhere) give exactly the count-only guard.
 
 Consequences, each pinned by a unit test:
 - Affinity never overrides the load guard: a replica holding the whole prefix (or

@@ -59,8 +59,7 @@ class ReplicaSnapshot:
 
     `num_ongoing_requests` is the router's own count (requests it has in flight on
     that replica, fresh at every decision); `num_running`/`num_waiting`/`kv_usage_perc`/
-    `pending_prefill_tokens` come from the engine's last report (up to one period old;
-    the router adds the prefill it sent since). The policy uses both:
+    `pending_prefill_tokens` come from the engine's last report (up to one period old). The policy uses both:
     the router's count reacts instantly to its own decisions, the engine's numbers see
     work that other routers sent.
     """
@@ -70,8 +69,8 @@ class ReplicaSnapshot:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage_perc: float = 0.0  # share of KV blocks used by running requests, 0.0..1.0
-    # Prompt tokens accepted but not yet prefilled (the engine's last report, plus what this
-    # router sent since): on shared-prefix loads a queued request costs ~100 or ~6,000 tokens.
+    # Prompt tokens accepted but not yet prefilled (the engine's last report): on
+    # shared-prefix loads a queued request costs ~100 or ~6,000 tokens.
     pending_prefill_tokens: int = 0
     # Requests ahead of a new one: whichever of the two views counts more. A field computed
     # once, not a property: the policy reads it for every replica of every decision.

@@ -59,15 +59,12 @@ def test_pick_only_choices_count_as_load_until_the_next_report():
     assert view.snapshots([("a", None)])[0].num_ongoing_requests == 0
 
 
-def test_pending_prefill_is_reported_plus_booked_until_the_next_report():
-    """Snapshots carry the engine's pending prefill tokens plus what this router sent since that report."""
+def test_pending_prefill_comes_from_the_latest_report():
+    """Snapshots carry the engine's reported pending prefill tokens, replaced by each new report."""
     view = fleet()
     view.sync({"a": stats(1, pending_prefill_tokens=500)})
     assert view.snapshots([("a", 0)])[0].pending_prefill_tokens == 500
-    view.book_prefill("a", 6000)
-    view.book_prefill("a", 0)  # a hit: nothing to book
-    assert view.snapshots([("a", 0)])[0].pending_prefill_tokens == 6500  # cached snapshot invalidated
-    view.sync({"a": stats(2, pending_prefill_tokens=6100)})  # the engine's report now includes it
+    view.sync({"a": stats(2, pending_prefill_tokens=6100)})
     assert view.snapshots([("a", 0)])[0].pending_prefill_tokens == 6100
 
 
