@@ -39,8 +39,10 @@ Two ways up:
   on every tick for fast_upscale_delay_s. It needs MIN_TREND_SAMPLES samples no older than
   trend_window_s: stalled reports decide nothing. The projection is capped at the running
   replicas' whole KV, so a climb that has saturated asks for nothing more once capacity is
-  on the way; its step is sized for where the load is heading (the larger of the window
-  mean, the latest load and the projection). KV that is high but flat is not a trend: the
+  on the way; its step is sized for where the load is heading (the largest of the window
+  mean, the latest load, the projection and the queued KV: the latest load scaled by
+  (running + waiting) / running requests, since a full cache cannot show how far demand
+  is past it; the slow path sizes for the larger of the mean and the queued KV). KV that is high but flat is not a trend: the
   slow path takes it.
 - the slow path is the law before the fast one: the look-back-window means above their
   thresholds for upscale_delay_s. It catches what the fast path does not (a plateau above
@@ -420,6 +422,18 @@ def _slack(context: LawContext, obs: _Observation, tunables: AutoscalingSettings
     return one_fewer_kv is not None and one_fewer_kv < tunables.lower_kv_perc
 
 
+def _queued_kv(obs: _Observation) -> float:
+    """The KV the fleet would hold if its waiting requests ran like its running ones, in replicas' worth.
+
+    A saturated replica's KV stops at 1.0, so KV alone cannot say how far demand is past
+    capacity; the queue can. Waiting requests are assumed to need as much KV each as the
+    running ones hold on average. 0 without running requests (nothing to scale from).
+    """
+    if obs.num_running_requests <= 0.0:
+        return 0.0
+    return obs.load_kv_now * (obs.num_running_requests + obs.num_waiting_now) / obs.num_running_requests
+
+
 def _up_step(context: LawContext, load_kv: float, tunables: AutoscalingSettings) -> int:
     sized_for_target = math.ceil(load_kv / tunables.target_kv_perc - 1e-9)
     return min(max(1, sized_for_target - context.num_current_replicas), tunables.max_step)
@@ -469,7 +483,8 @@ def _fast_up(context: LawContext, obs: _Observation, tunables: AutoscalingSettin
     if held_s < min(tunables.fast_upscale_delay_s, tunables.upscale_delay_s):
         return _Choice(wanted=n_current, pending=fast, pending_for_s=held_s, path="fast")
     # Size for where the load is heading, not for the window mean that lags behind it.
-    heading_kv = max(obs.load_kv, obs.load_kv_now, (kv_trend_perc or 0.0) * n_current)
+    # ... and for what waits: the queue is demand a saturated replica's KV cannot show.
+    heading_kv = max(obs.load_kv, obs.load_kv_now, (kv_trend_perc or 0.0) * n_current, _queued_kv(obs))
     return _Choice(wanted=n_current + _up_step(context, heading_kv, tunables), reason=fast, path="fast")
 
 
@@ -481,7 +496,8 @@ def _slow_up(context: LawContext, obs: _Observation, tunables: AutoscalingSettin
     held_s = context.now_s - pressure_since_s
     if held_s < tunables.upscale_delay_s:
         return _Choice(wanted=n_current, pending=pressure, pending_for_s=held_s, path="slow")
-    return _Choice(wanted=n_current + _up_step(context, obs.load_kv, tunables), reason=pressure, path="slow")
+    return _Choice(wanted=n_current + _up_step(context, max(obs.load_kv, _queued_kv(obs)), tunables),
+                   reason=pressure, path="slow")
 
 
 def _down(context: LawContext, obs: _Observation, tunables: AutoscalingSettings, slack_since_s: float | None,

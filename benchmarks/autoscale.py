@@ -32,6 +32,9 @@ replica ids (Serve's named replica actors), and the cluster's Prometheus text fo
 Reported per variant (`autoscale.json` → "variants", exactly these keys):
 - step_to_decision_s          load step → first sample whose target replicas exceed the target
                               at the step (null: no scale-up, or fixed-max)
+  (details: "saturation_onset_s", the step → the first probe that waited, TTFT > 5× the low
+  phase's median and > 0.1 s, where KV saturation shows to a client; and
+  "saturation_to_decision_s", onset → decision: what the ≤ 5 s target counts)
 - step_to_serving_s           load step → first sample with more RUNNING replicas than at the
                               step; the gap to the decision is the new replica's start, model
                               load and (kv) warm-up
@@ -81,9 +84,9 @@ CPU_OVERRIDES = [
     "engine.max_model_len=2048", "engine.kv_cache_memory_bytes=16777216",
 ]
 # Autoscaling windows short enough for a few-minute trace (any config; --set overrides them).
+# max_step stays the config's (2): the law sizes a step for the queue, as queue_length does.
 TRACE_OVERRIDES = [
     "autoscaling.look_back_s=4", "autoscaling.upscale_delay_s=4", "autoscaling.downscale_delay_s=20",
-    "autoscaling.max_step=1",
 ]
 KV_METRIC = "ray_vllm_kv_cache_usage_perc"
 DEFAULT_HOT_PROBES = 20
@@ -215,6 +218,26 @@ def scale_times(samples: Sequence[Sample], step_s: float) -> tuple[float | None,
     return decision, serving
 
 
+# A probe "waited" when its TTFT is this many times the low phase's median (and at least
+# SATURATION_MIN_WAIT_S): the client-side sign that the engine has stopped admitting at once.
+SATURATION_FACTOR = 5.0
+SATURATION_MIN_WAIT_S = 0.1
+
+
+def saturation_onset(probes: Sequence[Probe], step_s: float, low_p50_s: float | None) -> float | None:
+    """Seconds after the step of the first probe sent at/after it that waited (None: none did).
+
+    The issue's decision target counts from when KV saturation begins, which the step only
+    starts: the engine fills its KV cache and begins to queue some seconds later. A hot
+    probe's TTFT is ~one short prefill until then, so the first probe well above the low
+    phase's median marks the onset as a client sees it. A failed probe counts as waiting.
+    """
+    bar_s = max(SATURATION_FACTOR * (low_p50_s or 0.0), SATURATION_MIN_WAIT_S)
+    waited = (p.sent_s - step_s for p in sorted(probes, key=lambda p: p.sent_s)
+              if p.sent_s >= step_s and (p.latency_s is None or p.latency_s > bar_s))
+    return next(waited, None)
+
+
 def new_replica_probes(probes: Sequence[Probe], samples: Sequence[Sample], step_s: float,
                        n: int = DEFAULT_HOT_PROBES) -> tuple[str, list[float]]:
     """The new replica and the TTFTs of the first `n` probes it served (in send order).
@@ -260,8 +283,12 @@ def summarize_run(result: RunResult, trace: Trace, *, slo_ttft_s: float = DEFAUL
         lat = [p.latency_s for p in result.probes if p.phase == phase and p.latency_s is not None]
         phases[phase] = {"p50": percentile(lat, 50) if lat else None, "p99": percentile(lat, 99) if lat else None,
                          "n": len(lat)}
+    onset_s = saturation_onset(result.probes, step_s, phases["low"]["p50"]) if autoscaled else None
     details = {
         "max_replicas_seen": max((s.running for s in result.samples), default=0),
+        "saturation_onset_s": onset_s,
+        "saturation_to_decision_s": (decision_s - onset_s
+                                     if decision_s is not None and onset_s is not None else None),
         "new_replica": new_id, "new_replica_hot_ttft_s": new_ttfts,
         "probe_ttft_by_phase_s": phases,
         "load_sent": len(result.loads), "load_errors": sum(not r.ok for r in result.loads),
@@ -442,10 +469,11 @@ def markdown(rows: Sequence[Mapping[str, Any]], details: Mapping[str, Mapping[st
         f"{trace.load_output_tokens} output tokens, streamed), plus a hot-prefix probe (1 output token) every "
         f"{trace.probe_interval_s} s whose latency is its TTFT. SLO: TTFT ≤ {slo_ttft_s:g} s (load and probes; "
         "a failed request misses it).", "",
-        f"| variant | replica-seconds | max replicas | step → decision (s) | step → new replica serving (s) "
+        f"| variant | replica-seconds | max replicas | step → decision (s) | saturation → decision (s) "
+        "| step → new replica serving (s) "
         f"| new replica's first {hot_probes} hot probes TTFT p50 (ms, n) | SLO violations / requests "
         "| probe TTFT p50/p99 low (ms) | high (ms) | tail (ms) | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|",
     ]
     for row in rows:
         d = details.get(row["variant"], {})
@@ -454,12 +482,16 @@ def markdown(rows: Sequence[Mapping[str, Any]], details: Mapping[str, Mapping[st
         new = "–" if row["new_replica_hot_ttft_p50_ms"] is None else f"{row['new_replica_hot_ttft_p50_ms']:.0f} ({n_new})"
         lines.append(
             f"| {row['variant']} | {row['replica_seconds']:.0f} | {d.get('max_replicas_seen', '–')} "
-            f"| {_f(row['step_to_decision_s'])} | {_f(row['step_to_serving_s'])} | {new} "
+            f"| {_f(row['step_to_decision_s'])} | {_f(d.get('saturation_to_decision_s'))} "
+            f"| {_f(row['step_to_serving_s'])} | {new} "
             f"| {row['slo_violations']} / {d.get('requests', '–')} | "
             + " | ".join(f"{_f(ph.get(p, {}).get('p50'), 1000)}/{_f(ph.get(p, {}).get('p99'), 1000)}"
                          for p in ("low", "high", "tail"))
             + f" | {row['errors']} |")
-    lines += ["", "The gap between decision and serving is the new replica's start: Ray scheduling, engine "
+    lines += ["", "Saturation → decision counts from the first hot probe after the step that waited (TTFT over "
+              f"{SATURATION_FACTOR:g}× the low phase's median and over {SATURATION_MIN_WAIT_S:g} s): where the "
+              "engine's KV filled and it began to queue, as a client sees it.",
+              "", "The gap between decision and serving is the new replica's start: Ray scheduling, engine "
               "start and model load, and (kv) the warm-up prefill. fixed-max runs the max fleet throughout "
               "(no decision, no new replica).", ""]
     if plot:

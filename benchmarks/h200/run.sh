@@ -54,8 +54,10 @@ serve_and_snapshot() {  # name, extra --set args...: serve, record which GPU eac
   sleep 2; { echo "## $name: compute processes after the stop"; gpu_of_pids; echo; } >> "$OUT/placement.txt"
 }
 
+# ROUTING_GPU_SHARE: GPU per replica (0.5: two per GPU on the x2 kind; 0.25: all four on one GPU)
+ROUTING_SHARE=${ROUTING_GPU_SHARE:-0.5}
 FLEET_8B=(--set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape
-  --set replicas.num_replicas=4 --set resources.gpus_per_worker=0.5 --set engine.gpu_memory_utilization=null
+  --set replicas.num_replicas=4 --set resources.gpus_per_worker="$ROUTING_SHARE" --set engine.gpu_memory_utilization=null
   --set engine.kv_cache_memory_bytes=4294967296 --set engine.max_model_len=8192 --set engine.max_num_seqs=64
   --set engine.max_num_batched_tokens=8192 --set http.port=8300 --set metrics.port=8390)
 
@@ -71,13 +73,25 @@ leftovers() {  # a stage must not start on GPUs that a previous one's engines st
   fi
 }
 
+startup_stacks() {  # py-spy dumps of engine replica processes in their first 90 s, every 3 s: where start-up goes
+  while true; do
+    for pid in $(pgrep -f "EngineCore|ServeReplica:kvtide:Engine"); do
+      age=$(ps -o etimes= -p "$pid" 2>/dev/null | tr -d ' ')
+      { [ -n "$age" ] && [ "$age" -lt 90 ]; } || continue
+      { echo "=== $(date +%T.%N) pid $pid age ${age}s $(ps -o args= -p "$pid" | cut -c1-80)"
+        /tmp/site/bin/py-spy dump -p "$pid" 2>&1 | head -60; } >> "$RES/startup-stacks.txt"
+    done
+    sleep 3
+  done
+}
+
 compare() {  # out name, policies, workload, rates, extra args...
   local name=$1 policies=$2 workload=$3 rates=$4; shift 4
   mkdir -p "$RES/$name"
   python3 -m kvtide.cluster.cli bench compare --config "$REPO/cluster/configs/gpu-demo.yaml" "${FLEET_8B[@]}" \
       --policies "$policies" --workload "$workload" --rate "$rates" --duration "${DURATION:-15}" \
       --tokenizer /tmp/models/llama-8b-shape --slo-ttft-s 1.0 --metrics-settle 20 --drain-timeout 20 --no-progress \
-      --hardware "2 × NVIDIA H200 (nvidia-h200-x2), 4 engine replicas of a Llama-3.1-8B-shaped model (random weights), 2 per GPU, 4 GiB KV each" \
+      --hardware "$(nvidia-smi -L | wc -l) × NVIDIA H200, 4 engine replicas of a Llama-3.1-8B-shaped model (random weights), $ROUTING_SHARE GPU and 4 GiB KV each" \
       --out "$RES/$name" "$@" > "$RES/$name/compare.log" 2>&1
   echo "$name: exit $?" >> "$RES/driver-notes.txt"
 }
@@ -120,16 +134,18 @@ routing)
   ;;
 autoscale)  # AUTOSCALE_GPU_SHARE: GPU per replica (0.5 = two per GPU on the x2; 0.25 = four on one GPU)
   leftovers autoscale
+  startup_stacks & stacks=$!
   ngpu=$(nvidia-smi -L | wc -l); share=${AUTOSCALE_GPU_SHARE:-0.5}; kv=${AUTOSCALE_KV_BYTES:-33554432}
   python3 -m kvtide.benchmarks.autoscale --config "$REPO/cluster/configs/gpu-demo.yaml" \
       --set replicas.num_replicas=null --set replicas.min_replicas=1 --set replicas.max_replicas=4 \
       --set resources.gpus_per_worker="$share" --set engine.gpu_memory_utilization=null \
-      --set engine.kv_cache_memory_bytes="$kv" --set engine.max_model_len=2048 \
+      --set engine.kv_cache_memory_bytes="$kv" --set engine.max_model_len=2048 --set autoscaling.max_step=3 \
       --set http.port=8300 --set metrics.port=8390 --variants "${VARIANTS:-kv,queue_length,kv-cold,fixed-max}" \
       --high-rate "${HIGH_RATE:-20}" --queue-target-ongoing "${QUEUE_TARGET:-2}" ${TRACE_ARGS:-} \
       --hardware "$ngpu × NVIDIA H200, demo model, up to 4 replicas ($share GPU and $((kv / 1048576)) MiB of KV each)" \
       --out-dir "$RES/autoscale" > "$RES/autoscale.log" 2>&1
   echo "autoscale: exit $?" >> "$RES/driver-notes.txt"
+  kill $stacks
   ;;
 routing-random)
   build_8b; leftovers routing-random

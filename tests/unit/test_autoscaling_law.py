@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -150,9 +150,19 @@ def test_preemptions_force_scale_up():
 
 
 def test_persistent_queueing_scales_up():
-    """Requests waiting above upscale_waiting_per_replica for the delay add a replica, labelled 'queueing'."""
+    """Requests waiting above upscale_waiting_per_replica for the delay add replicas, labelled 'queueing'."""
     ticks = [ctx(0.6, n=2, waiting=5, now_s=t) for t in (0, 30)]
-    assert run(ticks) == [(2, "hold"), (3, "queueing")]
+    # Sized for the queue too: 8 running + 10 waiting at KV 1.2 replicas' worth -> 2.7 -> ceil(2.7/0.7) = 4.
+    assert run(ticks) == [(2, "hold"), (4, "queueing")]
+
+
+def test_scale_up_is_sized_for_the_queue_a_full_kv_cache_cannot_show():
+    """One saturated replica (KV 1.0) with 30 waiting behind 6 running asks for max_step more, not one."""
+    saturated = ctx(1.0, n=1, waiting=30, running=6, max_r=8)
+    one_more = ctx(1.0, n=1, waiting=0, running=6, max_r=8)
+    wide = TUNABLES.model_copy(update={"max_step": 4})
+    assert run([replace(saturated, now_s=t) for t in (0, 30)], wide) == [(1, "hold"), (5, "queueing")]
+    assert run([replace(one_more, now_s=t) for t in (0, 30)], wide) == [(1, "hold"), (2, "kv_high")]
 
 
 def test_waiting_or_preemptions_block_scale_down():
@@ -508,7 +518,8 @@ def test_step_trace_scales_up_within_5_s(sample_every_s, sample_offset_s):
     """Step trace: one scale-up, on the fast path, at most 5 s after the step, with 1 s and 2 s stats pushes."""
     meta, rows = load_trace("step")
     ups = replay(rows, TUNABLES, sample_every_s=sample_every_s, sample_offset_s=sample_offset_s).ups()
-    assert [(u.path, u.from_replicas, u.to_replicas) for u in ups] == [("fast", 2, 3)]
+    # 2 -> 4 (max_step) where the decision sees the first waiting requests; 2 -> 3 where it comes before them.
+    assert [(u.path, u.from_replicas) for u in ups] == [("fast", 2)] and ups[0].to_replicas in (3, 4)
     assert ups[0].t_s - meta["saturation_start_s"] <= 5.0
 
 

@@ -11,6 +11,7 @@ from kvtide.benchmarks.autoscale import (
     VARIANT_KEYS, Load, Probe, RunResult, Sample, Trace, count_slo_violations, error_kinds, kv_mean,
     kv_usage_by_replica,
     load_variant_config, main, markdown, new_replica_probes, out_dir_of, replica_seconds, results_json,
+    saturation_onset,
     scale_times, summarize_run, timeline, variant_overrides, write_timeline_plot,
 )
 from kvtide.config import load_config
@@ -41,6 +42,18 @@ def test_replica_seconds_and_scale_timings():
     assert summary["row"]["step_to_decision_s"] == 4.0
     assert summary["row"]["step_to_serving_s"] == 8.0
     assert summary["details"]["max_replicas_seen"] == 2
+
+
+def test_saturation_onset_is_the_first_probe_after_the_step_that_waited():
+    """Onset = first probe at/after the step over 5x the low median (0.1 s floor); decision is timed from it too."""
+    probes = [Probe(9.0, 0.9, "old", "low"), Probe(10.5, 0.05, "old", "high"), Probe(11.0, 0.12, "old", "high"),
+              Probe(11.5, 0.3, "old", "high")]
+    assert saturation_onset(probes, 10.0, low_p50_s=0.02) == 1.0  # bar 0.1 s: 0.12 waited
+    assert saturation_onset(probes, 10.0, low_p50_s=0.05) == 1.5  # bar 0.25 s
+    assert saturation_onset([Probe(10.5, None, "", "high")], 10.0, 0.02) == 0.5  # a failure waited
+    assert saturation_onset(probes[:2], 10.0, 0.02) is None
+    details = summarize_run(_run(), TRACE)["details"]  # low p50 20 ms; the probe at 12 s took 0.5 s
+    assert (details["saturation_onset_s"], details["saturation_to_decision_s"]) == (2.0, 2.0)
 
 
 def test_replica_seconds_uses_the_real_sample_spacing():
@@ -207,5 +220,5 @@ def test_markdown_has_one_row_per_variant():
     s = summarize_run(_run(), TRACE)
     text = markdown([s["row"]], {"kv": s["details"]}, Trace(), command="cmd", hardware="CPU", config_desc="c",
                     plot="timeline.png")
-    assert "| kv | 52 | 2 | 4 | 8 | 35 (2) | 5 / 10 |" in text
+    assert "| kv | 52 | 2 | 4 | 2 | 8 | 35 (2) | 5 / 10 |" in text
     assert "![timeline](timeline.png)" in text
