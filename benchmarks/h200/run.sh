@@ -10,7 +10,8 @@
 #   bash benchmarks/h200/run.sh routing        `kvtide bench compare` on the x2 kind: 4 replicas of the 8B shape
 #                                              (2 per GPU), bare / pow2 / prefix_aware / round_robin, Zipf
 #                                              shared-prefix at several open-loop rates (POLICIES, RATES, ...)
-#   bash benchmarks/h200/run.sh routing-random the same fleet on random prompts (routing must not hurt)
+#   bash benchmarks/h200/run.sh routing-random the same fleet on random prompts (routing must not hurt;
+#                                              RANDOM_POLICIES, RANDOM_RATES)
 #   bash benchmarks/h200/run.sh autoscale      step load, replicas 1 -> 4 (AUTOSCALE_GPU_SHARE each, demo model): kv, kv-cold,
 #                                              queue_length, fixed-max -> autoscale.json, report.md, timeline.png
 #   bash benchmarks/h200/run.sh start STAGES   run the stages in order in the background (one session's
@@ -149,7 +150,7 @@ autoscale)  # AUTOSCALE_GPU_SHARE: GPU per replica (0.5 = two per GPU on the x2;
   ;;
 routing-random)
   build_8b; leftovers routing-random
-  compare routing-random "${POLICIES:-pow2,prefix_aware}" random "${RATES:-16}" \
+  compare routing-random "${RANDOM_POLICIES:-pow2,prefix_aware}" random "${RANDOM_RATES:-16}" \
       --num-requests 2000 --input-len 2048 --output-len 64
   ;;
 placement)
