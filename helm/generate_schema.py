@@ -205,6 +205,8 @@ def chart_properties() -> dict[str, Schema]:
             {
                 "type": {"enum": ["pvc", "hostPath", "emptyDir"], "description": "Volume kind of the model cache."},
                 "mountPath": _str("Where the cache is mounted; HF_HOME points here.", pattern="^/"),
+                "compileCaches": _bool("Keep vLLM's torch.compile and Triton's kernel caches on this volume "
+                                       "(VLLM_CACHE_ROOT, TRITON_CACHE_DIR)."),
                 "pvc": _obj({"claimName": _str("An existing PersistentVolumeClaim (ReadWriteMany when workers span nodes).")}),
                 "hostPath": _obj({"path": _str("Directory on the node.", pattern="^/")}),
                 "emptyDir": _obj({"sizeLimit": _str("Size limit; empty = none.")}),

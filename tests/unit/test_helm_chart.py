@@ -378,6 +378,19 @@ def test_worker_pods_get_gpu_scheduling_shm_cache_and_token() -> None:
     assert {"name": "model-cache", "mountPath": "/models"} in container["volumeMounts"]
 
 
+def test_compile_caches_live_on_the_model_cache_volume_unless_turned_off() -> None:
+    """vLLM's torch.compile cache and Triton's kernels go under modelCache.mountPath, so a new replica loads them."""
+    def env_of(values: dict) -> dict:
+        spec = rayservice(values)["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+        return {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+
+    env = env_of(CASES["tp4_several_replicas"])
+    assert (env["VLLM_CACHE_ROOT"], env["TRITON_CACHE_DIR"]) == ("/models/.vllm-cache", "/models/.triton-cache")
+    off = env_of({**CASES["tp4_several_replicas"], "modelCache": {**CASES["tp4_several_replicas"].get("modelCache", {}),
+                                                                    "compileCaches": False}})
+    assert "VLLM_CACHE_ROOT" not in off and "TRITON_CACHE_DIR" not in off
+
+
 def test_upgrade_strategy_is_configurable() -> None:
     """spec.upgradeStrategy.type defaults to NewCluster and takes the value given."""
     assert rayservice({})["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
