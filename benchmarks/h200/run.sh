@@ -143,7 +143,7 @@ autoscale)  # AUTOSCALE_GPU_SHARE: GPU per replica (0.5 = two per GPU on the x2;
       --set resources.gpus_per_worker="$share" --set engine.gpu_memory_utilization=null \
       --set engine.kv_cache_memory_bytes="$kv" --set engine.max_model_len=2048 --set autoscaling.max_step=3 \
       --set http.port=8300 --set metrics.port=8390 --variants "${VARIANTS:-kv,queue_length,kv-cold,fixed-max}" \
-      --high-rate "${HIGH_RATE:-20}" --queue-target-ongoing "${QUEUE_TARGET:-2}" ${TRACE_ARGS:-} \
+      --high-rate "${HIGH_RATE:-20}" --queue-target-ongoing "${QUEUE_TARGET:-2}" --warm-caches ${TRACE_ARGS:-} \
       --hardware "$ngpu × NVIDIA H200, demo model, up to 4 replicas ($share GPU and $((kv / 1048576)) MiB of KV each)" \
       --out-dir "$RES/autoscale" > "$RES/autoscale.log" 2>&1
   echo "autoscale: exit $?" >> "$RES/driver-notes.txt"

@@ -215,6 +215,18 @@ def test_unknown_variant_is_refused_before_any_cluster_starts():
         main(["--variants", "kv,bogus"])
 
 
+def test_warm_caches_starts_the_max_fleet_once_before_any_variant(monkeypatch, tmp_path):
+    """--warm-caches: one unmeasured start of the fixed-max config, before the first variant runs."""
+    import kvtide.benchmarks.autoscale as bench
+
+    calls = []
+    monkeypatch.setattr(bench, "warm_caches", lambda config, _ms: calls.append(("warm", config.replicas.num_replicas)))
+    monkeypatch.setattr(bench, "run_variant", lambda variant, *_: calls.append((variant,)) or _run(variant))
+    assert main(["--variants", "kv,queue_length", "--warm-caches", "--out-dir", str(tmp_path)]) == 0
+    assert calls == [("warm", 2), ("kv",), ("queue_length",)]  # the CPU demo's max fleet: 2 replicas
+    assert main(["--variants", "kv", "--out-dir", str(tmp_path)]) == 0 and ("warm", 2) not in calls[3:]
+
+
 def test_markdown_has_one_row_per_variant():
     """The report table carries a row per variant: replica-seconds, timings, new replica's p50 (n), SLO misses."""
     s = summarize_run(_run(), TRACE)
