@@ -56,11 +56,13 @@ serve_and_snapshot() {  # name, extra --set args...: serve, record which GPU eac
 }
 
 # ROUTING_GPU_SHARE: GPU per replica (0.5: two per GPU on the x2 kind; 0.25: all four on one GPU);
-# ROUTING_KV_BYTES: KV cache per replica (default 4 GiB: the 20 system prompts just fit the fleet)
+# ROUTING_KV_BYTES: KV cache per replica. Default 6 GiB: the 20 system prompts (120k tokens) are
+# 2.5x one replica's cache and fit the fleet with room for running requests; at 4 GiB they filled
+# it exactly and under overload every policy's hit rate collapsed (h200-session-2026-12-01b)
 ROUTING_SHARE=${ROUTING_GPU_SHARE:-0.5}
 FLEET_8B=(--set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape
   --set replicas.num_replicas=4 --set resources.gpus_per_worker="$ROUTING_SHARE" --set engine.gpu_memory_utilization=null
-  --set engine.kv_cache_memory_bytes="${ROUTING_KV_BYTES:-4294967296}" --set engine.max_model_len=8192 --set engine.max_num_seqs=64
+  --set engine.kv_cache_memory_bytes="${ROUTING_KV_BYTES:-6442450944}" --set engine.max_model_len=8192 --set engine.max_num_seqs=64
   --set engine.max_num_batched_tokens=8192 --set http.port=8300 --set metrics.port=8390)
 
 build_8b() {
@@ -93,7 +95,7 @@ compare() {  # out name, policies, workload, rates, extra args...
   python3 -m kvtide.cluster.cli bench compare --config "$REPO/cluster/configs/gpu-demo.yaml" "${FLEET_8B[@]}" \
       --policies "$policies" --workload "$workload" --rate "$rates" --duration "${DURATION:-15}" \
       --tokenizer /tmp/models/llama-8b-shape --slo-ttft-s 1.0 --metrics-settle 20 --drain-timeout 20 --no-progress \
-      --hardware "$(nvidia-smi -L | wc -l) × NVIDIA H200, 4 engine replicas of a Llama-3.1-8B-shaped model (random weights), $ROUTING_SHARE GPU and $(( ${ROUTING_KV_BYTES:-4294967296} / 1073741824 )) GiB KV each" \
+      --hardware "$(nvidia-smi -L | wc -l) × NVIDIA H200, 4 engine replicas of a Llama-3.1-8B-shaped model (random weights), $ROUTING_SHARE GPU and $(( ${ROUTING_KV_BYTES:-6442450944} / 1073741824 )) GiB KV each" \
       --out "$RES/$name" "$@" > "$RES/$name/compare.log" 2>&1
   echo "$name: exit $?" >> "$RES/driver-notes.txt"
 }
