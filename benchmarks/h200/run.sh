@@ -56,8 +56,8 @@ serve_and_snapshot() {  # name, extra --set args...: serve, record which GPU eac
 }
 
 # ROUTING_GPU_SHARE: GPU per replica (0.5: two per GPU on the x2 kind; 0.25: all four on one GPU);
-# ROUTING_KV_BYTES: KV cache per replica. Default 6 GiB: the 20 system prompts (120k tokens) are
-# 2.5x one replica's cache and fit the fleet with room for running requests; at 4 GiB they filled
+# ROUTING_KV_BYTES: KV cache per replica. Default 6 GiB (49k tokens of the 8B shape): the 20 system prompts (120k tokens) are
+# 2.4x one replica's cache and fit the fleet with room for running requests; at 4 GiB they filled
 # it exactly and under overload every policy's hit rate collapsed (h200-session-2026-12-01b)
 ROUTING_SHARE=${ROUTING_GPU_SHARE:-0.5}
 FLEET_8B=(--set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape
