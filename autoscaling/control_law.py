@@ -42,8 +42,8 @@ Two ways up:
   on the way; its step is sized for where the load is heading (the largest of the window
   mean, the latest load, the projection and the queued KV: the latest load scaled by
   (running + waiting) / running requests, since a full cache cannot show how far demand
-  is past it; the slow path sizes for the larger of the mean and the queued KV). KV that is high but flat is not a trend: the
-  slow path takes it.
+  is past it; the slow path sizes for the larger of the mean and the queued KV). KV that
+  is high but flat is not a trend: the slow path takes it.
 - the slow path is the law before the fast one: the look-back-window means above their
   thresholds for upscale_delay_s. It catches what the fast path does not (a plateau above
   upper, a queue that does not grow) and is all there is with `fast_upscale: false`.
@@ -81,7 +81,8 @@ Signals (per running replica, `ReplicaStats`):
 Tunables (`kvtide.config.AutoscalingSettings`, the config's `autoscaling:` section, declared
 once there; its validation keeps lower < target < upper; defaults a GPU operator would accept):
 - `target_kv_perc` = 0.7       KV utilization a scale-up sizes for: desired =
-                               ceil(load_kv / target_kv_perc). Leaves ~30% of blocks for
+                               ceil(load / target_kv_perc), load as above (KV in use,
+                               or the queued KV). Leaves ~30% of blocks for
                                prefix-cache hits and decode growth.
 - `upper_kv_perc` = 0.85       scale up when the KV load spread over running + starting
                                replicas stays above this. vLLM starts preempting near 1.0.
