@@ -27,7 +27,9 @@ Trace: `low` → `high` → `low` open-loop phases. Two request streams share th
 
 Sampled every second: serve.status() (RUNNING and target engine replicas), the live engine
 replica ids (Serve's named replica actors), and the cluster's Prometheus text for
-`ray_vllm_kv_cache_usage_perc` per `ReplicaId` (Ray exports it every --metrics-interval-ms).
+`ray_vllm_kv_cache_usage_perc` per `ReplicaId` (Ray exports it every --metrics-interval-ms)
+and each replica's start-up by phase (`ray_kvtide_engine_start_phase_seconds`; details
+"start_phases_s" and "new_replica_start_phases_s").
 
 Reported per variant (`autoscale.json` → "variants", exactly these keys):
 - step_to_decision_s          load step → first sample whose target replicas exceed the target
@@ -89,6 +91,7 @@ TRACE_OVERRIDES = [
     "autoscaling.look_back_s=4", "autoscaling.upscale_delay_s=4", "autoscaling.downscale_delay_s=20",
 ]
 KV_METRIC = "ray_vllm_kv_cache_usage_perc"
+START_PHASE_METRIC = "ray_kvtide_engine_start_phase_seconds"
 DEFAULT_HOT_PROBES = 20
 WORDS = "red green blue cyan magenta yellow black white orange purple brown pink gray olive navy teal".split()
 
@@ -164,6 +167,8 @@ class RunResult:
     probes: list[Probe] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
+    # {ReplicaId: {phase: seconds}}: each engine replica's start-up as it exported it
+    start_phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 # ---- pure: parsing, selection, summaries -----------------------------------------------------
@@ -184,6 +189,37 @@ def kv_usage_by_replica(text: str, metric: str = KV_METRIC) -> dict[str, float]:
         key = m.group(1) if m else ""
         out[key] = max(out.get(key, value), value)
     return out
+
+
+def start_phases_by_replica(text: str, metric: str = START_PHASE_METRIC,
+                            kv_metric: str = KV_METRIC) -> dict[str, dict[str, float]]:
+    """{ReplicaId: {phase: seconds}} from Prometheus text: kvtide's start-up gauge per phase.
+
+    The gauge is a plain Ray metric, labelled by the Ray worker (WorkerId), not the replica;
+    the replica's vLLM KV gauge carries both, so it maps one to the other (an unmapped
+    worker keeps its WorkerId as the key).
+    """
+    import re
+
+    def labels(line: str) -> dict[str, str]:
+        return dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+
+    replica_of: dict[str, str] = {}
+    phases: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if line.startswith(kv_metric + "{"):
+            tags = labels(line)
+            if "WorkerId" in tags and "ReplicaId" in tags:
+                replica_of[tags["WorkerId"]] = tags["ReplicaId"]
+        elif line.startswith(metric + "{"):
+            tags = labels(line)
+            try:
+                value = float(line.rsplit("}", 1)[-1].split()[0])
+            except (IndexError, ValueError):
+                continue
+            if "phase" in tags:
+                phases.setdefault(tags.get("WorkerId", ""), {})[tags["phase"]] = value
+    return {replica_of.get(worker, worker): by_phase for worker, by_phase in phases.items()}
 
 
 def kv_mean(kv: Mapping[str, float], live: Iterable[str]) -> float | None:
@@ -289,6 +325,9 @@ def summarize_run(result: RunResult, trace: Trace, *, slo_ttft_s: float = DEFAUL
         "saturation_onset_s": onset_s,
         "saturation_to_decision_s": (decision_s - onset_s
                                      if decision_s is not None and onset_s is not None else None),
+        # Where the new replica's start went (process, import, engine, warm_start), and every replica's.
+        "new_replica_start_phases_s": result.start_phases.get(new_id) if new_id else None,
+        "start_phases_s": result.start_phases,
         "new_replica": new_id, "new_replica_hot_ttft_s": new_ttfts,
         "probe_ttft_by_phase_s": phases,
         "load_sent": len(result.loads), "load_errors": sum(not r.ok for r in result.loads),
@@ -412,9 +451,11 @@ async def _drive(base_url: str, metrics_url: str, model: str, trace: Trace, resu
                 while (t := time.monotonic() - start) < trace.total_s:
                     running, target, live = await asyncio.to_thread(_poll_replicas, app)
                     try:
-                        kv = kv_usage_by_replica((await scraper.get(metrics_url)).text)
+                        text = (await scraper.get(metrics_url)).text
                     except httpx.HTTPError:
-                        kv = {}
+                        text = ""
+                    kv = kv_usage_by_replica(text)
+                    result.start_phases.update(start_phases_by_replica(text))
                     result.samples.append(Sample(t, running, target, live, kv))
                     await asyncio.sleep(1.0)  # a sampling period, not synchronisation
 
@@ -502,6 +543,11 @@ def markdown(rows: Sequence[Mapping[str, Any]], details: Mapping[str, Mapping[st
             + " | ".join(f"{_f(ph.get(p, {}).get('p50'), 1000)}/{_f(ph.get(p, {}).get('p99'), 1000)}"
                          for p in ("low", "high", "tail"))
             + f" | {row['errors']} |")
+    phase_lines = [f"- {row['variant']}: " + ", ".join(f"{phase} {sec:.1f} s" for phase, sec in phases.items())
+                   for row in rows if (phases := details.get(row["variant"], {}).get("new_replica_start_phases_s"))]
+    if phase_lines:
+        lines += ["", "The new replica's start-up by phase, as it exported it (`process` is an upper bound: "
+                  "Ray may have pre-started the worker):", *phase_lines]
     lines += ["", "Saturation → decision counts from the first hot probe after the step that waited (TTFT over "
               f"{SATURATION_FACTOR:g}× the low phase's median and over {SATURATION_MIN_WAIT_S:g} s): where the "
               "engine's KV filled and it began to queue, as a client sees it.",

@@ -13,7 +13,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import time
 from typing import Any, AsyncIterator
@@ -21,6 +20,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.util import metrics
 
+from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig, parse_config
 from kvtide.deployments.demo_model import resolve_model
 from kvtide.deployments.placement import cpu_threads_bind, engine_kwargs
@@ -33,7 +33,7 @@ from kvtide.deployments.names import INGRESS_DEPLOYMENT
 from kvtide.deployments.pending_prefill import PendingPrefill
 from kvtide.deployments.start_phases import describe, start_phases
 
-logger = logging.getLogger("kvtide.engine")
+logger = replica_logger("engine")
 
 # How often the replica re-records vLLM's gauges (Ray drops a series not set for ~20 s).
 GAUGE_REFRESH_S = 5.0

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import time
 from typing import Any, AsyncIterator, Callable, Protocol
 
+from kvtide.deployments.logs import replica_logger
 from kvtide.deployments.admission import AdmissionLimits, Deadline
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest
 from kvtide.deployments.protocol import ApiError
 
-logger = logging.getLogger("kvtide.engine_client")
+logger = replica_logger("engine_client")
 
 
 class EngineStream:

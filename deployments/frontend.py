@@ -27,7 +27,6 @@ in this process; requests of other policies carry none and record nothing.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import traceback
 import uuid
@@ -37,6 +36,7 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig
 from kvtide.deployments.admission import AdmissionGate, Deadline, admission_limits
 from kvtide.deployments.engine_client import EngineClient, EngineStream, timeout_error
@@ -63,7 +63,7 @@ from kvtide.deployments.routing.trust import (
 )
 from kvtide.deployments.sse import DONE, ChunkRenderer, error_event
 
-logger = logging.getLogger("kvtide.frontend")
+logger = replica_logger("frontend")
 
 
 def error_response(err: ApiError) -> JSONResponse:

@@ -12,16 +12,16 @@ cannot starve request handling (decoding releases the GIL in msgspec).
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 import threading
 import uuid
 
+from kvtide.deployments.logs import replica_logger
 from kvtide.deployments.kv_cache_tracker import KvCacheTracker
 from kvtide.deployments.routing.snapshot import CacheDigest
 
-logger = logging.getLogger("kvtide.kv_events")
+logger = replica_logger("kv_events")
 
 _RECV_TIMEOUT_MS = 200
 

@@ -16,7 +16,6 @@ engine replica serving HTTP directly; the same routes either way.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any, Awaitable, Callable
 
@@ -25,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig
 from kvtide.deployments.admission import AdmissionLimits, admission_limits
 from kvtide.deployments.auth import ApiKeys, authorize, load_api_keys
@@ -35,7 +35,7 @@ from kvtide.deployments.ingress_metrics import IngressMetrics
 from kvtide.deployments.prompts import PromptBuilder, load_tokenizer
 from kvtide.deployments.protocol import ApiError, error_body, validation_error_to_api
 
-logger = logging.getLogger("kvtide.openai_app")
+logger = replica_logger("openai_app")
 
 
 def build_frontend(config: KvtideConfig, engine_client: Callable[[AdmissionLimits], EngineClient],

@@ -24,7 +24,6 @@ tracker a new engine replica asks before it takes traffic (it sees every POST of
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -32,6 +31,7 @@ from fastapi import FastAPI, Request
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig, parse_config
 from kvtide.deployments.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.messages import RoutingKey
@@ -39,7 +39,7 @@ from kvtide.deployments.prompts import SESSION_HEADER, PromptBuilder, load_token
 from kvtide.deployments.routing.block_hash import block_hashes, salt_root
 from kvtide.deployments.routing.trust import prediction_header
 
-logger = logging.getLogger("kvtide.router_peer")
+logger = replica_logger("router_peer")
 
 
 @serve.ingress()

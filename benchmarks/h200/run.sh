@@ -150,7 +150,8 @@ autoscale)  # AUTOSCALE_GPU_SHARE: GPU per replica (0.5 = two per GPU on the x2;
       --out-dir "$RES/autoscale" > "$RES/autoscale.log" 2>&1
   echo "autoscale: exit $?" >> "$RES/driver-notes.txt"
   kill $stacks
-  # Each replica's start-up by phase goes to its Serve log file, not to the driver's output.
+  # Each replica's start-up by phase is in autoscale.json (the exported gauge); its log line goes
+  # to the replica's Serve log file, which Serve buffers (it may not be flushed before a stop).
   grep -h "start-up:" /tmp/ray/session_*/logs/serve/replica_*.log > "$RES/start-phases.txt" 2>/dev/null
   ;;
 routing-random)

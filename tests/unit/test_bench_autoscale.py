@@ -11,7 +11,7 @@ from kvtide.benchmarks.autoscale import (
     VARIANT_KEYS, Load, Probe, RunResult, Sample, Trace, count_slo_violations, error_kinds, kv_mean,
     kv_usage_by_replica,
     load_variant_config, main, markdown, new_replica_probes, out_dir_of, replica_seconds, results_json,
-    saturation_onset,
+    saturation_onset, start_phases_by_replica,
     scale_times, summarize_run, timeline, variant_overrides, write_timeline_plot,
 )
 from kvtide.config import load_config
@@ -54,6 +54,25 @@ def test_saturation_onset_is_the_first_probe_after_the_step_that_waited():
     assert saturation_onset(probes[:2], 10.0, 0.02) is None
     details = summarize_run(_run(), TRACE)["details"]  # low p50 20 ms; the probe at 12 s took 0.5 s
     assert (details["saturation_onset_s"], details["saturation_to_decision_s"]) == (2.0, 2.0)
+
+
+def test_start_phases_are_keyed_by_the_replica_through_the_kv_gauges_worker():
+    """kvtide's start-phase gauge (labelled by WorkerId) is mapped to the ReplicaId its KV gauge names."""
+    text = "\n".join([
+        '# HELP ray_kvtide_engine_start_phase_seconds x',
+        'ray_kvtide_engine_start_phase_seconds{WorkerId="w1",model="m",phase="import"} 9.5',
+        'ray_kvtide_engine_start_phase_seconds{WorkerId="w1",model="m",phase="engine"} 18.25',
+        'ray_kvtide_engine_start_phase_seconds{WorkerId="w2",model="m",phase="engine"} 3.0',
+        'ray_vllm_kv_cache_usage_perc{ReplicaId="new",WorkerId="w1",engine="0"} 0.5',
+    ])
+    assert start_phases_by_replica(text) == {"new": {"import": 9.5, "engine": 18.25}, "w2": {"engine": 3.0}}
+    result = _run()
+    result.start_phases = {"new": {"import": 9.5, "engine": 18.25}}
+    summary = summarize_run(result, TRACE)
+    assert summary["details"]["new_replica_start_phases_s"] == {"import": 9.5, "engine": 18.25}
+    text = markdown([summary["row"]], {"kv": summary["details"]}, Trace(), command="c", hardware="CPU",
+                    config_desc="c")
+    assert "- kv: import 9.5 s, engine 18.2 s" in text
 
 
 def test_replica_seconds_uses_the_real_sample_spacing():
