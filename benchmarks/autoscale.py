@@ -76,6 +76,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import httpx
 
 from kvtide.benchmarks.report import DEFAULT_SLO_TTFT_S, percentile
+from kvtide.deployments.start_phases import PHASES
 
 VARIANT_NAMES = ("kv", "kv-cold", "queue_length", "fixed-max")
 VARIANT_KEYS = ("variant", "step_to_decision_s", "step_to_serving_s", "new_replica_hot_ttft_p50_ms",
@@ -219,7 +220,9 @@ def start_phases_by_replica(text: str, metric: str = START_PHASE_METRIC,
                 continue
             if "phase" in tags:
                 phases.setdefault(tags.get("WorkerId", ""), {})[tags["phase"]] = value
-    return {replica_of.get(worker, worker): by_phase for worker, by_phase in phases.items()}
+    order = {phase: i for i, phase in enumerate(PHASES)}  # the phases in the order a start runs them
+    return {replica_of.get(worker, worker): dict(sorted(by_phase.items(), key=lambda kv: order.get(kv[0], len(order))))
+            for worker, by_phase in phases.items()}
 
 
 def kv_mean(kv: Mapping[str, float], live: Iterable[str]) -> float | None:
