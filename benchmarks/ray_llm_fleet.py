@@ -14,8 +14,8 @@ in `RAY_LLM_ENV`; `ray_llm_compat/` aliases a module vLLM moved; `ray_llm_server
 CPU engine to its own cores). The child stops Ray without Serve's ~35 s drain and kills
 what it started.
 
-Ray Serve LLM 2.60 needs vLLM >= 0.27: it cannot run on the H200 image as carried today
-(torch 2.11), so there it is a CPU-only baseline.
+Ray Serve LLM 2.60 needs vLLM >= 0.27 (it pins 0.29.0), which needs torch 2.13: on the H200
+image (torch 2.11) it runs when benchmarks/h200/stage-vllm029.sh carries both (run.sh VLLM029=1).
 """
 
 from __future__ import annotations

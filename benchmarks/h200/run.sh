@@ -1,6 +1,7 @@
 #!/bin/bash
 # GPU runs on the H200 device machine (wheels per ../shared/gpu/README.md; kvtide's own
-# wheel, built by stage-kvtide.sh, carried in .gpu/kvtide). Each stage works in /tmp/work
+# wheel, built by stage-kvtide.sh, carried in .gpu/kvtide; with VLLM029=1, vLLM 0.29 + torch 2.13
+# staged by stage-vllm029.sh, so that Ray Serve LLM's ray_kv and ray_prefix run too). Each stage works in /tmp/work
 # and leaves at most a few files in $OUT (the device returns 8 at most): its report, its
 # JSON and one tarball of logs.
 #   bash benchmarks/h200/run.sh placement      N TP=1 replicas on N GPUs; 4 replicas on 2 GPUs (x2 kind)
@@ -10,6 +11,7 @@
 #   bash benchmarks/h200/run.sh routing        `kvtide bench compare` on the x2 kind: 4 replicas of the 8B shape
 #                                              (2 per GPU), bare / pow2 / prefix_aware / round_robin, Zipf
 #                                              shared-prefix at several open-loop rates (POLICIES, RATES, ...)
+#   bash benchmarks/h200/run.sh routing-multiturn the same fleet on multi-turn conversations (MULTITURN_POLICIES, _RATES)
 #   bash benchmarks/h200/run.sh routing-random the same fleet on random prompts (routing must not hurt;
 #                                              RANDOM_POLICIES, RANDOM_RATES)
 #   bash benchmarks/h200/run.sh autoscale      step load, replicas 1 -> 4 (AUTOSCALE_GPU_SHARE each, demo model): kv, kv-cold,
@@ -27,6 +29,15 @@ if [ ! -d /tmp/kvt/kvtide ]; then
 fi
 # The repo root is NOT on the path: its kvtide/ folder holds only the namespace root.
 export PYTHONPATH=/tmp/kvt:/tmp/site
+if [ "${VLLM029:-0}" = 1 ]; then  # vLLM 0.29 + torch 2.13 (stage-vllm029.sh) shadow the 0.26 set
+  if [ ! -d /tmp/site2/vllm ]; then
+    cat /tmp/wn/npart-* > /tmp/wheels029.tar && mkdir -p /tmp/wheels029 && tar xf /tmp/wheels029.tar -C /tmp/wheels029 &&
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 /tmp/wheels029/*.whl || exit 1
+  fi
+  export PYTHONPATH=/tmp/kvt:/tmp/site2:/tmp/site
+  export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1  # torch 2.13 was built with cuDNN 9.20; the image has 9.19
+  [ "${1:-}" = start ] && python3 -c "import torch, vllm, ray.llm, dynamo; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.is_available())"
+fi
 OUT=${OUT:-/tmp/out}
 W=/tmp/work
 RES=/tmp/results  # what `poll` packs: every stage's reports, JSON and logs
@@ -95,7 +106,7 @@ compare() {  # out name, policies, workload, rates, extra args...
   python3 -m kvtide.cluster.cli bench compare --config "$REPO/cluster/configs/gpu-demo.yaml" "${FLEET_8B[@]}" \
       --policies "$policies" --workload "$workload" --rate "$rates" --duration "${DURATION:-15}" \
       --tokenizer /tmp/models/llama-8b-shape --slo-ttft-s 1.0 --metrics-settle 20 --drain-timeout 20 --no-progress \
-      --hardware "$(nvidia-smi -L | wc -l) × NVIDIA H200, 4 engine replicas of a Llama-3.1-8B-shaped model (random weights), $ROUTING_SHARE GPU and $(( ${ROUTING_KV_BYTES:-6442450944} / 1073741824 )) GiB KV each" \
+      --hardware "$(nvidia-smi -L | wc -l) × NVIDIA H200, 4 engine replicas of a Llama-3.1-8B-shaped model (random weights), $ROUTING_SHARE GPU and $(( ${ROUTING_KV_BYTES:-6442450944} / 1073741824 )) GiB KV each, vLLM $(python3 -c 'import vllm; print(vllm.__version__)' 2>/dev/null)" \
       --out "$RES/$name" "$@" > "$RES/$name/compare.log" 2>&1
   echo "$name: exit $?" >> "$RES/driver-notes.txt"
 }
@@ -153,6 +164,11 @@ autoscale)  # AUTOSCALE_GPU_SHARE: GPU per replica (0.5 = two per GPU on the x2;
   # Each replica's start-up by phase is in autoscale.json (the exported gauge); its log line goes
   # to the replica's Serve log file, which Serve buffers (it may not be flushed before a stop).
   grep -h "start-up:" /tmp/ray/session_*/logs/serve/replica_*.log > "$RES/start-phases.txt" 2>/dev/null
+  ;;
+routing-multiturn)  # 48 users x 6 rounds, each user's history (up to ~3k tokens) outgrows a fair share of one cache
+  build_8b; leftovers routing-multiturn
+  DURATION=${MULTITURN_DURATION:-30} compare routing-multiturn "${MULTITURN_POLICIES:-pow2,prefix_aware}" multi-turn \
+      "${MULTITURN_RATES:-16}" --num-users 48 --num-rounds 6 --system-prompt-len 1024 --question-len 256 --output-len 64
   ;;
 routing-random)
   build_8b; leftovers routing-random
