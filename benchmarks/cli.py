@@ -7,8 +7,10 @@
 workload with the same seed once per entry of --policies, each on a fresh server.
 `compare` also sweeps: --workload and --rate / --concurrency take comma-separated lists,
 and each server runs every workload at every load in turn (one start per policy, as
-engines take minutes to start on a GPU). Point i of the sweep uses seed --seed + i, so a
-point's prompts are new to caches the previous point filled, and equal across policies:
+engines take minutes to start on a GPU). Each point's seed is --seed plus an offset derived
+from the point itself (workload and load, `point_seed_offset`), so a point's prompts are new to
+caches the previous point filled, equal across policies, and the same whatever the order
+of the lists or whichever subset of them a later run repeats:
 
     bare          no kvtide: N independent bare vLLM OpenAI servers with kvtide's engine
                   flags (N = replicas.num_replicas, or max_replicas when autoscaling),
@@ -17,7 +19,8 @@ point's prompts are new to caches the previous point filled, and equal across po
                   platform team runs without kvtide (benchmarks/bare_fleet.py)
     ray_kv        no kvtide: Ray Serve LLM 2.60's own app (LLMServer replicas, KVAwareRouter,
                   direct streaming), same engine flags and replica count; needs the `bench`
-                  extra (ai-dynamo-runtime); CPU only for now (benchmarks/ray_llm_fleet.py)
+                  extra (ai-dynamo-runtime); on the H200 it needs the vLLM 0.29 stack
+                  (benchmarks/h200/stage-vllm029.sh; benchmarks/ray_llm_fleet.py)
     pow2          kvtide's cluster with Ray Serve's power-of-two-choices router (load only)
     round_robin   kvtide's cluster, round robin
     ray_prefix    kvtide's cluster with Ray Serve LLM's prefix-aware router
@@ -42,6 +45,7 @@ import json
 import shlex
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
@@ -259,6 +263,15 @@ def loads_from_args(args: argparse.Namespace) -> list[Load]:
     return [Load(concurrency=c) for c in (args.concurrency if isinstance(args.concurrency, list) else [args.concurrency])]
 
 
+def point_seed_offset(workload: str, level: Load) -> int:
+    """A sweep point's seed offset, from the point alone: "rate 8" gets the same prompts in any list.
+
+    (Offsets by list position gave `--rate 8,4` the prompts `--rate 4,8` used at rate 4, so a
+    policy repeated in another order ran other prompts than the rest of the comparison.)
+    """
+    return zlib.crc32(f"{workload} @ {level.label}".encode()) % 1_000_000
+
+
 async def bench_once(base_url: str, metrics: MetricsSource, workload: Workload, policy: str | None,
                      args: argparse.Namespace, model: str | None = None, load_level: Load | None = None,
                      warmup: int | None = None) -> tuple[dict[str, Any], LoadResult]:
@@ -378,7 +391,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     config_path = args.config or default_config_path()
     configs = {p: policy_config(config_path, args.overrides, p) for p in policies}
     points = [(name, level) for name in args.workload for level in loads_from_args(args)]
-    workloads = [workload_from_args(args, name, seed_offset=i) for i, (name, _) in enumerate(points)]
+    workloads = [workload_from_args(args, name, seed_offset=point_seed_offset(name, level)) for name, level in points]
     sweep = len(points) > 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -55,8 +55,15 @@ def llm_config_kwargs(config: KvtideConfig, model_path: str) -> dict[str, Any]:
 
     kwargs = engine_kwargs(config, model_path)
     gpu = config.resources.device == "gpu"
-    bundle = {"CPU": config.resources.cpus_per_worker, **({"GPU": config.resources.gpus_per_worker} if gpu else {})}
+    share = config.resources.gpus_per_worker
+    bundle = {"CPU": config.resources.cpus_per_worker, **({"GPU": share} if gpu else {})}
+    # On GPUs Ray Serve LLM runs vLLM's Ray executor, whose worker asks for a whole GPU unless
+    # VLLM_RAY_PER_WORKER_GPUS says otherwise; Ray LLM 2.60 computes that share from the bundles
+    # but does not hand it to the replica, so on a fractional bundle every engine failed with
+    # "Cannot schedule RayWorkerProc ... {'GPU': 1.0}" (H200, 0.25 GPU per replica).
+    fractional = gpu and share < 1
     return {
+        **({"runtime_env": {"env_vars": {"VLLM_RAY_PER_WORKER_GPUS": str(share)}}} if fractional else {}),
         "model_loading_config": {"model_id": config.model_name, "model_source": model_path},
         "engine_kwargs": {k: v for k, v in kwargs.items() if k not in ("model", "served_model_name")},
         "accelerator_type": None,

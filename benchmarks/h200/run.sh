@@ -18,6 +18,7 @@
 #                                              queue_length, fixed-max -> autoscale.json, report.md, timeline.png
 #   bash benchmarks/h200/run.sh start STAGES   run the stages in order in the background (one session's
 #                                              device time is a few device calls: the driver outlives a call)
+#   bash benchmarks/h200/run.sh stop           stop the driver, its servers, HAProxy and Ray (then `start` again)
 #   bash benchmarks/h200/run.sh poll SECONDS   wait for the background driver (at most SECONDS), then pack
 #                                              what it wrote so far into $OUT/results.tar.gz
 set -uo pipefail
@@ -31,12 +32,13 @@ fi
 export PYTHONPATH=/tmp/kvt:/tmp/site
 if [ "${VLLM029:-0}" = 1 ]; then  # vLLM 0.29 + torch 2.13 (stage-vllm029.sh) shadow the 0.26 set
   if [ ! -d /tmp/site2/vllm ]; then
-    cat /tmp/wn/npart-* > /tmp/wheels029.tar && mkdir -p /tmp/wheels029 && tar xf /tmp/wheels029.tar -C /tmp/wheels029 &&
+    mkdir -p /tmp/wheels029 && cat /tmp/wn/npart-* | tar xif - -C /tmp/wheels029 &&  # -i: parts may hold several tars
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 /tmp/wheels029/*.whl || exit 1
+    PYTHONPATH=/tmp/site2:/tmp/site PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 python3 -c \
+      "import torch, vllm, ray.llm, dynamo; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.is_available())" || exit 1
   fi
   export PYTHONPATH=/tmp/kvt:/tmp/site2:/tmp/site
   export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1  # torch 2.13 was built with cuDNN 9.20; the image has 9.19
-  [ "${1:-}" = start ] && python3 -c "import torch, vllm, ray.llm, dynamo; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.is_available())"
 fi
 OUT=${OUT:-/tmp/out}
 W=/tmp/work
@@ -86,6 +88,9 @@ leftovers() {  # a stage must not start on GPUs that a previous one's engines st
     echo "leftover compute processes before $1: $left" | tee -a "$RES/driver-notes.txt"
     echo "$left" | xargs -r kill -9; sleep 3
   fi
+  # an HAProxy left by a stopped run holds the HTTP port: the next Serve's HAProxy then crashes at start
+  left=$(pgrep -x haproxy)
+  if [ -n "$left" ]; then echo "leftover haproxy before $1: $left" | tee -a "$RES/driver-notes.txt"; echo "$left" | xargs -r kill -9; fi
 }
 
 startup_stacks() {  # py-spy dumps of engine replica processes in their first 90 s, every 3 s: where start-up goes
@@ -98,6 +103,15 @@ startup_stacks() {  # py-spy dumps of engine replica processes in their first 90
     done
     sleep 3
   done
+}
+
+stop_driver() {  # the driver's session, then what runs in sessions of its own (servers, HAProxy, Ray)
+  kill -- "-$(cat "$RES/driver.pid")" 2>/dev/null
+  python3 -c "import ray.scripts.scripts as s, sys; sys.argv = ['ray', 'stop', '--force']; s.main()" > /dev/null 2>&1
+  # by exact name or bracketed patterns: a plain `pkill -f` pattern also matches the shell of the
+  # device call whose command line names it (seen: the call died with rc -1)
+  pgrep -x haproxy | xargs -r kill -9
+  pgrep -f "kvtide[.]benchmarks|kvtide[.]cluster|vllm[.]entrypoints|EngineCor[e]" | xargs -r kill -9
 }
 
 compare() {  # out name, policies, workload, rates, extra args...
@@ -123,15 +137,17 @@ start)  # the stages run in a copy: the next device call replaces the checkout u
       > "$RES/gpu-util.csv" 2>/dev/null < /dev/null &
   sleep 2; cat "$RES/driver.log"
   ;;
+stop)  # stop the driver and everything it started (before a restart in the same session)
+  stop_driver; sleep 2; nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
+  ;;
 poll)  # poll SECONDS [PATTERN]: also stops the driver once PATTERN shows in a compare log (device time is finite)
   for i in $(seq 1 "${2:-60}"); do
     grep -q "^== done" "$RES/driver.log" 2>/dev/null && break
-    if [ -n "${3:-}" ] && grep -qh "$3" "$RES"/*/compare.log 2>/dev/null; then
+    # only this driver's logs: a stopped earlier driver's logs may hold the pattern already
+    if [ -n "${3:-}" ] && find "$RES" -name compare.log -newer "$RES/driver.pid" -exec grep -qh "$3" {} + 2>/dev/null; then
       # The driver's session, then what runs in sessions of its own (bare vLLM servers, HAProxy);
       # not "run.sh" by name: that would match this poll too.
-      echo "poll: '$3' seen: stopping the driver"; kill -- "-$(cat "$RES/driver.pid")" 2>/dev/null
-      pkill -f "kvtide.cluster.cli|vllm.entrypoints|haproxy"
-      python3 -c "import ray.scripts.scripts as s; s.main()" stop --force > /dev/null 2>&1; break
+      echo "poll: '$3' seen: stopping the driver"; stop_driver; break
     fi
     (( i % 30 == 0 )) && tar czf "$OUT/results.tar.gz" --exclude='*.requests.jsonl' -C "$RES" .
     sleep 1

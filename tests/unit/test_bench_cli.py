@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvtide.benchmarks.cli import loads_from_args, register, workload_from_args
+from kvtide.benchmarks.cli import Load, loads_from_args, point_seed_offset, register, workload_from_args
 from kvtide.config import ConfigError
 
 
@@ -82,6 +82,14 @@ def test_compare_sweeps_lists_of_workloads_and_rates():
     assert first.params.zipf_s == 1.1 and len(first.requests) == 12
     assert first.requests != second.requests  # a later point's prompts are new to caches the earlier one filled
     assert args.hardware == "2 × H200"
+
+
+def test_a_points_seed_depends_on_the_point_not_its_place_in_the_lists():
+    """`--rate 8,4` and `--rate 4,8` give rate 8 the same prompts; different points get different ones."""
+    assert point_seed_offset("shared-prefix", Load(rate=8)) == point_seed_offset("shared-prefix", Load(rate=8.0))
+    offsets = {point_seed_offset(w, lv) for w in ("shared-prefix", "multi-turn", "random")
+               for lv in (Load(rate=4), Load(rate=8), Load(rate=16), Load(concurrency=4))}
+    assert len(offsets) == 12
 
 
 @pytest.mark.parametrize("bad", [["--workload", "random,nope", "--rate", "1"],

@@ -27,6 +27,10 @@ def test_gpu_config_asks_for_the_gpu_share_and_keeps_ray_llms_server():
                            "engine": {"kv_cache_memory_bytes": 1 << 30}})
     kw = llm_config_kwargs(config, "/m")
     assert kw["placement_group_config"]["bundles"][0]["GPU"] == 0.5 and kw["server_cls"] is None
+    # vLLM's Ray worker must ask for the share, not a whole GPU, or it cannot fit the bundle
+    assert kw["runtime_env"] == {"env_vars": {"VLLM_RAY_PER_WORKER_GPUS": "0.5"}}
+    whole = llm_config_kwargs(parse_config({"resources": {"device": "gpu", "gpus_per_worker": 1}}), "/m")
+    assert "runtime_env" not in whole
 
 
 def test_child_env_sets_the_switches_and_puts_the_compat_folder_first():
