@@ -16,8 +16,10 @@ router's in-flight counts come from Ray's local queue-length cache.
 
 Digests are applied when they arrive, not by the first decision after them: a report's
 deltas cost ~0.1 ms, but a full set of 100k blocks (after a gap) takes ~5 ms to decode,
-which used to land on one request per replica per period.
-Both callbacks run on the same event loop, so the index is never read mid-update.
+which used to land on one request per replica per period. They are applied in slices of
+`DIGEST_SLICE_BLOCKS` blocks, one slice per event-loop turn (`loop.call_soon`), so a
+decision that arrives during a push waits for one slice, not for the whole push. Both run
+on the same event loop, so the index is never read mid-slice.
 
 Pick-only calls (direct mode's routing peer asks `choose_replica(RoutingKey, _reserve=False)`)
 never reach `on_request_routed`, and Ray's queue-length cache stays empty for them, so the
@@ -44,6 +46,7 @@ this module only adapts.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 import time
@@ -60,6 +63,9 @@ from kvtide.deployments.routing.trust import write_prediction
 
 DECISION_LATENCY_BUCKETS_S = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2]
 MATCHED_TOKENS_BUCKETS = [1, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+# Block updates per digest slice: ~0.3 µs each, so a slice takes ~20-40 µs of the loop
+# (router_microbench.md); smaller slices cost more loop turns for little less waiting.
+DIGEST_SLICE_BLOCKS = 96
 # Digest ages are set at most this often: stats pushes (one per replica per period) and
 # decisions can come thousands of times a second, and each pass sets one gauge per replica.
 # Half a second stays well inside the metrics agent's gauge TTL (two export intervals, at
@@ -122,7 +128,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
                          routing: dict[str, Any] | None = None) -> None:
         # Ray hands request_router_kwargs over as plain data; validate it back into the one model.
         self._state = RouterState(RoutingConfig.model_validate(routing or {}), block_size)
-        self._fleet = FleetView(self._state)
+        self._fleet = FleetView(self._state, slice_blocks=DIGEST_SLICE_BLOCKS)
+        self._slices_scheduled = False
         self._rng = random.Random(seed)
         self._metrics = RouterMetrics()
         self._digest_ages_set_s = float("-inf")  # monotonic time of the last digest-age pass
@@ -132,7 +139,27 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         # choose_replicas only reads (same event loop, so never concurrently with it).
         super().update_replicas(replicas)
         self._fleet.sync({_rid(r.replica_id): r.routing_stats or {} for r in replicas})
-        self._record_digest_ages(time.monotonic())
+        self._schedule_digest_slices()
+        if not self._slices_scheduled:  # else once the last slice is applied
+            self._record_digest_ages(time.monotonic())
+
+    def _schedule_digest_slices(self) -> None:
+        if self._slices_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not called on a loop: nothing to interleave with
+            self._fleet.apply_digests()
+            return
+        self._slices_scheduled = True
+        loop.call_soon(self._apply_digest_slice, loop)
+
+    def _apply_digest_slice(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._fleet.apply_digests(DIGEST_SLICE_BLOCKS):
+            loop.call_soon(self._apply_digest_slice, loop)  # the next slice after what is ready now
+        else:
+            self._slices_scheduled = False
+            self._record_digest_ages(time.monotonic())
 
     def _record_digest_ages(self, now_s: float) -> None:
         """Set each replica's digest age, at most every DIGEST_AGE_RECORD_INTERVAL_S (monotonic `now_s`)."""

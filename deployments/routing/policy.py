@@ -142,7 +142,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Generator, Literal, Sequence
 
 from kvtide.config import RoutingConfig
 from kvtide.deployments.routing import rendezvous
@@ -369,6 +369,10 @@ class RouterState:
 
     def apply_digest(self, digest: CacheDigest) -> bool:
         return self.index.apply_digest(digest)
+
+    def apply_digest_steps(self, digest: CacheDigest, max_blocks: int | None) -> Generator[None, None, bool]:
+        """`apply_digest` in slices of at most `max_blocks` blocks (see `PrefixIndex.apply_digest_steps`)."""
+        return self.index.apply_digest_steps(digest, max_blocks)
 
     def remove_replica(self, replica_id: str) -> None:
         self.index.remove_replica(replica_id)

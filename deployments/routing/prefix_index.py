@@ -34,13 +34,29 @@ Invariants:
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Sequence
+from itertools import islice
+from typing import Generator, Iterable, Iterator, Sequence
 
 from kvtide.deployments.routing.block_hash import BlockHash
 from kvtide.deployments.routing.snapshot import BlockDelta, CacheDigest, unpack_hashes
 
 _NO_REPLICAS: frozenset[str] = frozenset()
 _NEVER = float("-inf")
+
+
+def run_steps(steps: Generator[None, None, bool]) -> bool:
+    """Run a stepwise update (`PrefixIndex.apply_digest_steps`) to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def _slices(hashes: set[BlockHash], size: int) -> Iterator[list[BlockHash]]:
+    it = iter(hashes)
+    while part := list(islice(it, size)):
+        yield part
 
 
 class PrefixIndex:
@@ -66,6 +82,19 @@ class PrefixIndex:
         gap that neither its deltas nor a full set can bridge (the set stays at the last
         report applied; a later full set resyncs it).
         """
+        return run_steps(self.apply_digest_steps(digest, None))
+
+    def apply_digest_steps(self, digest: CacheDigest, max_blocks: int | None) -> Generator[None, None, bool]:
+        """`apply_digest` in slices of at most `max_blocks` block updates, yielding between slices.
+
+        Why: a router applies digests on the event loop that also makes its decisions, and
+        one report can change hundreds of blocks (a resync, 100k); in slices, a decision
+        waits for at most one slice instead of a whole push. Between slices the index is
+        consistent block by block (both directions of the holder relation agree) and shows
+        the replica part-way from its last report to this one; `applied()` moves only after
+        the last slice. Until the generator is exhausted the caller must not apply another
+        digest of the same replica nor remove it (FleetView queues them). None: no slicing.
+        """
         rid = digest.replica_id
         last = self._applied.get(rid)
         if last is not None and not digest.is_newer_than(*last):
@@ -74,15 +103,15 @@ class PrefixIndex:
             # A new engine lifetime (or the first report this router sees) starts from an
             # empty cache at sequence 0, so a chain reaching back to sequence 1 rebuilds it;
             # the previous lifetime's blocks are gone with its engine.
-            self._replace_engine_set(rid, frozenset())
+            yield from self._replace_engine_set(rid, frozenset(), max_blocks)
             last = self._applied[rid] = (digest.epoch, 0)
         chain = digest.deltas_after(last[1])
         if chain:  # the common case: this report's delta, right after the last one applied
             for delta in chain:
-                self._apply_delta(rid, delta)
+                yield from self._apply_delta(rid, delta, max_blocks)
             cleared = any(delta.all_cleared for delta in chain)
         elif digest.has_full_set:
-            self._replace_engine_set(rid, digest.hashes())
+            yield from self._replace_engine_set(rid, digest.hashes(), max_blocks)
             # A reset inside the gap is seen only if the chain still holds it (or this report's flag).
             cleared = digest.all_cleared or any(d.all_cleared for d in digest.deltas if d.sequence > last[1])
         elif chain is None:
@@ -94,27 +123,42 @@ class PrefixIndex:
             self._forget_routed(rid)
         return True
 
-    def _apply_delta(self, rid: str, delta: BlockDelta) -> None:
+    def _apply_delta(self, rid: str, delta: BlockDelta, max_blocks: int | None) -> Iterator[None]:
         # Idempotent per block (removing a block not held, storing one held, do nothing),
-        # so the invariants hold whatever a delta says. The per-replica set is updated by
-        # C-level set operations; only the reverse index needs a Python loop per block.
+        # so the invariants hold whatever a delta says. `stored` and `removed` of one delta
+        # are disjoint, so both can be taken against the set before either is applied.
         blocks = self._engine_blocks[rid]
         removed = blocks.intersection(unpack_hashes(delta.removed))
-        blocks.difference_update(removed)
-        self._drop_holder(rid, removed)
         stored = set(unpack_hashes(delta.stored))
         stored.difference_update(blocks)
-        blocks.update(stored)
-        self._add_holder(rid, stored)
+        return self._update_engine_set(rid, blocks, removed, stored, max_blocks)
 
-    def _replace_engine_set(self, rid: str, new: frozenset[BlockHash]) -> None:
+    def _replace_engine_set(self, rid: str, new: frozenset[BlockHash], max_blocks: int | None) -> Iterator[None]:
         """Make the replica's engine set `new`, touching only the blocks that differ (cost ∝ both sets)."""
         blocks = self._engine_blocks.setdefault(rid, set())
-        removed, stored = blocks - new, new - blocks
-        blocks.difference_update(removed)
-        self._drop_holder(rid, removed)
-        blocks.update(stored)
-        self._add_holder(rid, stored)
+        return self._update_engine_set(rid, blocks, blocks - new, new - blocks, max_blocks)
+
+    def _update_engine_set(self, rid: str, blocks: set[BlockHash], removed: set[BlockHash], stored: set[BlockHash],
+                           max_blocks: int | None) -> Iterator[None]:
+        """Take `removed` out of and put `stored` into the replica's set and the reverse index.
+
+        The per-replica set changes by C-level set operations; only the reverse index needs
+        a Python loop per block. With `max_blocks`, a slice at a time, yielding after each.
+        """
+        if max_blocks is None:
+            blocks.difference_update(removed)
+            self._drop_holder(rid, removed)
+            blocks.update(stored)
+            self._add_holder(rid, stored)
+            return
+        for part in _slices(removed, max_blocks):
+            blocks.difference_update(part)
+            self._drop_holder(rid, part)
+            yield
+        for part in _slices(stored, max_blocks):
+            blocks.update(part)
+            self._add_holder(rid, part)
+            yield
 
     def _add_holder(self, rid: str, hashes: Iterable[BlockHash]) -> None:
         """Add `rid` to the holders of each of `hashes` (none of which lists it yet)."""

@@ -47,6 +47,16 @@ def new_router() -> PrefixAwareRouter:
     return router
 
 
+async def update(router: PrefixAwareRouter, replicas: list) -> None:
+    """Ray's push, then the loop turns that apply its digests slice by slice (a decision may run between two)."""
+    router.update_replicas(replicas)
+    for _ in range(10_000):
+        if not router._fleet.num_queued_digests:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("digest slices did not finish")
+
+
 def pending(arg) -> PendingRequest:
     return PendingRequest(args=[arg], kwargs={}, metadata=None)
 
@@ -60,13 +70,13 @@ def test_digests_are_applied_when_stats_arrive_not_when_a_request_is_routed():
     async def scenario():
         router = new_router()
         a, b = FakeReplica("a", digest_stats("engine-a", 1)), FakeReplica("b")
-        router.update_replicas([a, b])
+        await update(router, [a, b])
         assert router._state.index.match(PROMPT, time.monotonic()) == {"a": 8}
         # New stats on the replica object, but Ray has not pushed them: the decision must not decode them.
         b.routing_stats = digest_stats("engine-b", 1)
         decision = ranked_ids(await router.choose_replicas([a, b], pending(RoutingKey(block_hashes=PROMPT))))
         assert "b" not in router._state.index.match(PROMPT, time.monotonic())
-        router.update_replicas([a, b])
+        await update(router, [a, b])
         assert router._state.index.match(PROMPT, time.monotonic()) == {"a": 8, "b": 8}
         return decision
 
@@ -78,8 +88,8 @@ def test_a_replica_dropped_from_the_list_is_forgotten():
     async def scenario():
         router = new_router()
         a, b = FakeReplica("a", digest_stats("engine-a", 1)), FakeReplica("b")
-        router.update_replicas([a, b])
-        router.update_replicas([b])
+        await update(router, [a, b])
+        await update(router, [b])
         return router._state.index.match(PROMPT, time.monotonic())
 
     assert asyncio.run(scenario()) == {}
@@ -90,7 +100,7 @@ def test_pick_only_session_key_is_booked_and_makes_the_next_turn_sticky():
     async def scenario():
         router = new_router()
         a, b = FakeReplica("a", digest_stats("engine-a", 1)), FakeReplica("b")
-        router.update_replicas([a, b])
+        await update(router, [a, b])
         first = ranked_ids(await router.choose_replicas([a, b], pending(RoutingKey(session_key="chat"))))[0]
         booked = router._state.sessions.last_replica("chat", time.monotonic())
         # Say the last turn went to "b", which does not hold the prompt "a" holds: the session still wins.
@@ -109,7 +119,7 @@ def test_requests_without_a_session_key_attribute_still_route():
     async def scenario():
         router = new_router()
         a, b = FakeReplica("a"), FakeReplica("b", digest_stats("engine-b", 1))
-        router.update_replicas([a, b])
+        await update(router, [a, b])
         request = GenerateRequest("r1", list(range(32)), SamplingSpec(max_tokens=1), block_hashes=PROMPT)
         return ranked_ids(await router.choose_replicas([a, b], pending(request)))
 
@@ -121,7 +131,7 @@ def test_each_decision_writes_its_prediction_into_the_requests_slot():
     async def scenario():
         router = new_router()
         a, b = FakeReplica("a"), FakeReplica("b", digest_stats("engine-b", 1))
-        router.update_replicas([a, b])
+        await update(router, [a, b])
         key = RoutingKey(block_hashes=PROMPT)
         request = GenerateRequest("r1", list(range(33)), SamplingSpec(max_tokens=1), block_hashes=PROMPT[:2])
         cold = RoutingKey(block_hashes=tuple(block_hashes(list(range(100, 132)), BS)))
@@ -160,13 +170,13 @@ def test_digest_ages_are_set_per_replica_at_most_every_interval_and_not_for_gone
         router = new_router()
         gauge = router._metrics.digest_age_s = FakeGauge()
         a, b = FakeReplica("a", stamped("engine-a")), FakeReplica("b", stamped("engine-b"))
-        router.update_replicas([a, b])
+        await update(router, [a, b])
         first = list(gauge.sets)
         last_s = router._digest_ages_set_s
         gauge.sets.clear()
         router._record_digest_ages(last_s + DIGEST_AGE_RECORD_INTERVAL_S / 2)
         throttled = list(gauge.sets)
-        router.update_replicas([b])  # "a" left
+        await update(router, [b])  # "a" left
         gauge.sets.clear()
         router._record_digest_ages(router._digest_ages_set_s + DIGEST_AGE_RECORD_INTERVAL_S)
         return first, throttled, gauge.sets

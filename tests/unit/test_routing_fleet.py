@@ -121,3 +121,27 @@ def test_digest_age_skips_unstamped_digests_clamps_skew_and_forgets_gone_replica
     assert view.digest_ages_s(150.0) == {"b": 0.0}
     view.sync({"a": stats(2)})
     assert view.digest_ages_s(250.0) == {}
+
+
+def test_sliced_fleet_queues_digests_and_applies_them_a_slice_per_call():
+    """With slice_blocks, sync only queues (new reports once); apply_digests does one slice per call until False."""
+    view = FleetView(RouterState(RoutingConfig(), BS), slice_blocks=3)
+    view.sync({"a": stats(1)})
+    view.sync({"a": stats(1)})  # Ray re-sends the latest stats at every push: not queued twice
+    assert view.num_queued_digests == 1 and view.state.index.match(PROMPT, 0.0) == {}
+    calls = 1
+    while view.apply_digests(3):
+        calls += 1
+    assert calls == 4  # 8 blocks in slices of 3, then the call that finishes the report (moves `applied`)
+    assert view.state.index.match(PROMPT, 0.0) == {"a": 8} and view.num_queued_digests == 0
+
+
+def test_forgetting_a_replica_mid_slice_leaves_nothing_of_it():
+    """A replica that leaves while its digest is half applied: queued and half-applied blocks are all dropped."""
+    view = FleetView(RouterState(RoutingConfig(), BS), slice_blocks=3)
+    view.sync({"a": stats(1), "b": stats(1, engine_id="engine-b")})
+    assert view.apply_digests(3)  # "a" part-way
+    view.forget("a")
+    while view.apply_digests(3):
+        pass
+    assert view.state.index.match(PROMPT, 0.0) == {"b": 8} and view.state.index.held_by("a") == frozenset()

@@ -9,7 +9,7 @@ import pytest
 
 from kvtide.deployments.routing.block_hash import BlockHash, block_hashes
 from kvtide.deployments.routing.prefix_index import PrefixIndex
-from kvtide.deployments.routing.snapshot import CacheDigest
+from kvtide.deployments.routing.snapshot import BlockDelta, CacheDigest
 
 BS = 4
 TTL_S = 10.0
@@ -180,3 +180,34 @@ def test_match_equals_a_naive_walk_on_random_indexes():
                 routed[rid] = {h: routed_at + TTL_S for h in blocks}
         now_s = 2 * TTL_S
         assert index.match(long_prompt, now_s) == _naive_match(engine, routed, long_prompt, now_s), trial
+
+
+def _consistent(index: PrefixIndex, rid: str) -> bool:
+    """Both directions of the holder relation agree for `rid`."""
+    held = index._engine_blocks.get(rid, set())
+    return (all(rid in index._engine[h] for h in held)
+            and all(h in held for h, holders in index._engine.items() if rid in holders))
+
+
+def test_a_digest_applied_in_slices_ends_where_applying_it_at_once_does():
+    """Slices of max_blocks: one yield per slice, consistent between slices, `applied` moves only at the end."""
+    old = [1000 + i for i in range(250)]
+    new = old[100:] + [5000 + i for i in range(170)]  # 100 removed, 170 stored
+    digests = [CacheDigest.from_hashes("a", 1, 1, old),
+               CacheDigest.from_hashes("a", 1, 2, new, deltas=(BlockDelta.from_hashes(2, new[150:], old[:100]),))]
+    at_once, sliced = PrefixIndex(history_ttl_s=10.0), PrefixIndex(history_ttl_s=10.0)
+    for d in digests:
+        assert at_once.apply_digest(d)
+    assert sliced.apply_digest(digests[0])
+    steps = sliced.apply_digest_steps(digests[1], 64)
+    slices = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            assert done.value is True
+            break
+        slices += 1
+        assert _consistent(sliced, "a") and sliced.applied("a") == (1, 1)
+    assert slices == 2 + 3  # ceil(100 / 64) + ceil(170 / 64)
+    assert sliced.held_by("a") == at_once.held_by("a") == frozenset(new) and sliced.applied("a") == (1, 2)
