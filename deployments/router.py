@@ -57,15 +57,12 @@ from ray.util import metrics
 
 from kvtide.config import RoutingConfig
 from kvtide.deployments.messages import RoutingKey
-from kvtide.deployments.routing.fleet import FleetView
+from kvtide.deployments.routing.fleet import DIGEST_SLICE_BLOCKS, FleetView
 from kvtide.deployments.routing.policy import RouterState, route_of
 from kvtide.deployments.routing.trust import write_prediction
 
 DECISION_LATENCY_BUCKETS_S = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2]
 MATCHED_TOKENS_BUCKETS = [1, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768]
-# Block updates per digest slice: ~0.3 µs each, so a slice takes ~20-40 µs of the loop
-# (router_microbench.md); smaller slices cost more loop turns for little less waiting.
-DIGEST_SLICE_BLOCKS = 96
 # Digest ages are set at most this often: stats pushes (one per replica per period) and
 # decisions can come thousands of times a second, and each pass sets one gauge per replica.
 # Half a second stays well inside the metrics agent's gauge TTL (two export intervals, at

@@ -34,6 +34,11 @@ from typing import Any, Generator, Iterable, Mapping
 from kvtide.deployments.routing.policy import RouterState
 from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
 
+# Block updates per digest slice in the router (deployments.router): ~0.3 µs each, so a slice
+# holds the loop ~20-40 µs (benchmarks/results/router_microbench.md); smaller slices cost
+# more loop turns for little less waiting.
+DIGEST_SLICE_BLOCKS = 96
+
 
 def rekey(digest: CacheDigest, replica_id: str) -> CacheDigest:
     """Digests are keyed by the router's replica id (the engine may name itself differently)."""

@@ -72,6 +72,9 @@ class PrefixIndex:
         self._applied: dict[str, tuple[int, int]] = {}  # replica → (epoch, sequence) of its last digest
         self._routed: dict[BlockHash, dict[str, float]] = {}
         self._expiry: deque[tuple[float, str, Sequence[BlockHash]]] = deque()
+        # True while the expiry queue is in time order (routing times never went back), so
+        # that after expire(now) every entry left in `_routed` is live at `now`.
+        self._expiry_ordered = True
 
     # ---- updates ---------------------------------------------------------------------
 
@@ -202,6 +205,8 @@ class PrefixIndex:
                 routed[h] = {replica_id: expires_s}
             else:
                 owners[replica_id] = expires_s
+        if self._expiry and expires_s < self._expiry[-1][0]:
+            self._expiry_ordered = False  # a caller's clock went back: match reads expiries again
         self._expiry.append((expires_s, replica_id, tuple(hashes)))
 
     def expire(self, now_s: float) -> None:
@@ -256,6 +261,11 @@ class PrefixIndex:
         """
         if not hashes:
             return {}
+        # Pruning the expired routing history first (amortized O(1), as on_routed does) lets
+        # the slow path below drop the unconfirmed candidates by one C-level set difference
+        # instead of reading each one's expiry.
+        self.expire(now_s)
+        all_live = self._expiry_ordered
         candidates = set(self.holders(hashes[0], now_s))
         matched: dict[str, int] = {}
         engine_get, routed_get = self._engine.get, self._routed.get
@@ -275,6 +285,8 @@ class PrefixIndex:
             owners = routed_get(h)
             if owners is None:
                 dropped = unconfirmed
+            elif all_live:
+                dropped = unconfirmed.difference(owners)
             else:
                 dropped = [rid for rid in unconfirmed if owners.get(rid, _NEVER) <= now_s]
             if dropped:

@@ -73,6 +73,8 @@ def test_the_peer_answers_with_the_routers_prediction_for_its_pick():
         digest = CacheDigest.from_hashes("engine-b", 1, 1, hashes)
         replicas = [FakeReplica("a"), FakeReplica("b", {"digest": digest, "reported_s": 1.0})]
         router.update_replicas(replicas)
+        while router._fleet.num_queued_digests:  # the digest's slices run on the next loop turns
+            await asyncio.sleep(0)
         peer = SimpleNamespace(prompts=prompts, block_size=BS, send_prompt_text=False,
                                hot_prefixes_tracker=HotPrefixTracker(BS), engine=RouterHandle(router, replicas))
         return await RouterPeer.route(peer, BODY)

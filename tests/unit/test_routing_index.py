@@ -211,3 +211,14 @@ def test_a_digest_applied_in_slices_ends_where_applying_it_at_once_does():
         assert _consistent(sliced, "a") and sliced.applied("a") == (1, 1)
     assert slices == 2 + 3  # ceil(100 / 64) + ceil(170 / 64)
     assert sliced.held_by("a") == at_once.held_by("a") == frozenset(new) and sliced.applied("a") == (1, 2)
+
+
+def test_match_ignores_expired_routing_history_even_when_routing_times_went_back(index):
+    """match prunes expired history first; a clock that went back makes it read each expiry (no stale hit)."""
+    index.on_routed("a", PROMPT, now_s=5.0)  # live until 15
+    assert index.match(PROMPT, now_s=14.0) == {"a": 8}
+    assert index.match(PROMPT, now_s=15.0) == {}
+    index.on_routed("b", OTHER, now_s=20.0)  # until 30: heads the expiry queue
+    index.on_routed("c", PROMPT, now_s=1.0)  # until 11, queued behind 30: out of time order, not pruned at 12
+    index.on_routed("c", PROMPT[:1], now_s=19.0)  # the first block refreshed until 29
+    assert index.match(PROMPT, now_s=12.0) == {"c": 1}  # blocks 2-8 expired at 11
