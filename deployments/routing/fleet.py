@@ -34,10 +34,10 @@ from typing import Any, Generator, Iterable, Mapping
 from kvtide.deployments.routing.policy import RouterState
 from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
 
-# Block updates per digest slice in the router (deployments.router): ~0.3 µs each, so a slice
-# holds the loop ~20-40 µs (benchmarks/results/router_microbench.md); smaller slices cost
-# more loop turns for little less waiting.
-DIGEST_SLICE_BLOCKS = 96
+# Block updates per digest slice in the router (deployments.router): ~0.25 µs each, so a slice
+# holds the loop ~8 µs at p50 (benchmarks/results/router_microbench.md: 96-block slices took
+# ~20 µs, with a longer tail); a push of ~1,000 changed blocks is ~30 loop turns.
+DIGEST_SLICE_BLOCKS = 32
 
 
 def rekey(digest: CacheDigest, replica_id: str) -> CacheDigest:

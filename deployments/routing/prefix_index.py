@@ -42,6 +42,10 @@ from kvtide.deployments.routing.snapshot import BlockDelta, CacheDigest, unpack_
 
 _NO_REPLICAS: frozenset[str] = frozenset()
 _NEVER = float("-inf")
+# on_routed prunes routing history this far ahead of its clock: an entry goes up to this much
+# before its TTL (10 s by default), and the decisions made within this time of the last
+# booking find nothing expired left, which lets `match` skip reading expiries.
+EXPIRY_LOOKAHEAD_S = 0.25
 
 
 def run_steps(steps: Generator[None, None, bool]) -> bool:
@@ -194,7 +198,7 @@ class PrefixIndex:
 
     def on_routed(self, replica_id: str, hashes: Sequence[BlockHash], now_s: float) -> None:
         """Record that this router sent a request with `hashes` to `replica_id` at `now_s`."""
-        self.expire(now_s)
+        self.expire(now_s + EXPIRY_LOOKAHEAD_S)
         if not hashes:
             return
         expires_s = now_s + self.history_ttl_s
@@ -261,11 +265,12 @@ class PrefixIndex:
         """
         if not hashes:
             return {}
-        # Pruning the expired routing history first (amortized O(1), as on_routed does) lets
-        # the slow path below drop the unconfirmed candidates by one C-level set difference
-        # instead of reading each one's expiry.
-        self.expire(now_s)
-        all_live = self._expiry_ordered
+        # When no routing-history entry has expired by now (the queue's head is the earliest
+        # expiry), the slow path below drops the unconfirmed candidates by one C-level set
+        # difference instead of reading each one's expiry. on_routed prunes a little ahead
+        # (EXPIRY_LOOKAHEAD_S) so that this holds for the decisions that follow it.
+        queue = self._expiry
+        all_live = self._expiry_ordered and (not queue or queue[0][0] > now_s)
         candidates = set(self.holders(hashes[0], now_s))
         matched: dict[str, int] = {}
         engine_get, routed_get = self._engine.get, self._routed.get
