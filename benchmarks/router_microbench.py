@@ -12,17 +12,20 @@ Each engine is an LRU of its share of the blocks, and reports through the engine
 `DigestJournal` (deltas since the last report, the full set every few reports). The router
 state (`RouterState`: the prefix index, the prefix groups' demand, the session memory) is
 warmed by routing requests (200 req/s of simulated time, so ~2,000 requests live in the
-10 s routing history) and by one full digest per replica. Then `--decisions` decisions
-are timed with `time.perf_counter_ns`. Digests arrive as Ray Serve delivers them: each
-replica is polled every stats period × U(0.9, 1.1) (Ray's jitter), and the controller
-pushes what it collected once per control loop (0.1 s), so a push carries ~N/10 digests;
-the router applies them (`update_replicas`) on the event loop between two decisions.
+10 s routing history) and by one full digest per replica. Then `--decisions` requests arrive
+(Poisson at `--rate`) and Ray's pushes with them: each replica is polled every stats period ×
+U(0.9, 1.1) (Ray's jitter), and the controller pushes what it collected once per control loop
+(0.1 s), so a push carries ~N/10 digests.
 
-Headline, "decision latency incl. digests": for each decision, `rank_replicas` plus every
-digest applied since the previous decision (the event-loop time a request waits behind a
-push, charged to the decision that follows it). Also reported alone: `rank_replicas`, one
-digest's application, digest time amortized per decision, the bookkeeping after a pick
-(`RouterState.on_routed`) and the request's `block_hashes` (once per request at the ingress).
+Headline, "decision latency": one event loop in virtual time runs what the router's loop runs,
+each item timed for real with `time.perf_counter_ns` -- a push (queue its digests), digest
+slices of `--slice-blocks` blocks (each schedules the next with `call_soon`, so it runs before
+what arrived meanwhile), a decision (`rank_replicas`, then `RouterState.on_routed`) -- and a
+decision's latency runs from its arrival to the end of its ranking: its own work plus any wait
+behind a slice, a push or an earlier decision. The same seeded load runs again with each push
+applied at once, for comparison. Also reported: `rank_replicas` alone, one slice, one push at
+once, a full resync, the bookkeeping after a pick and the request's `block_hashes` (once per
+request at the ingress).
 `--protocol full` makes every report a full set applied as such (the protocol before deltas).
 
     .venv/bin/python -m kvtide.benchmarks.router_microbench --out benchmarks/results/router_microbench.md
