@@ -21,4 +21,4 @@ def test_each_decision_is_timed_from_arrival_and_digests_run_in_slices_only_when
         assert sum(r["outcomes"].values()) == 300
         assert r["decision_latency_us"]["p50"] >= r["rank_replicas_us"]["p50"]
         assert r["pushes"] > 0 and r["digests"] > 0
-    assert sliced["slices"] >= sliced["digests"] and at_once["slices"] == 0
+    assert sliced["slices"] > 0 and at_once["slices"] == 0
