@@ -10,7 +10,10 @@ and each server runs every workload at every load in turn (one start per policy,
 engines take minutes to start on a GPU). Each point's seed is --seed plus an offset derived
 from the point itself (workload and load, `point_seed_offset`), so a point's prompts are new to
 caches the previous point filled, equal across policies, and the same whatever the order
-of the lists or whichever subset of them a later run repeats:
+of the lists or whichever subset of them a later run repeats. `--repeats N` runs the whole
+comparison N times, rotating the policy order (none always runs first, on a cold machine)
+and drawing new prompts each time; results.json holds each policy's median repeat, runs.json
+every repeat, and report.md adds their spread. The policies:
 
     bare          no kvtide: N independent bare vLLM OpenAI servers with kvtide's engine
                   flags (N = replicas.num_replicas, or max_replicas when autoscaling),
@@ -107,6 +110,16 @@ def _numbers(kind: type) -> Any:
     return parse
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {value}")
+    return value
+
+
 def _add_workload_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g = p.add_argument_group("workload (defaults: SGLang generated-shared-prefix 64×16, 2048/128/256)")
     if sweep:
@@ -182,6 +195,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "the baseline is bare, else pow2, else the first")
     cmp_p.add_argument("--bare-balancer", choices=("auto", "haproxy", "python"), default="auto",
                        help="bare's balancer: HAProxy if a binary is found (auto), or the Python round-robin proxy")
+    cmp_p.add_argument("--repeats", type=_at_least_one, default=1,
+                       help="run every policy this many times (order rotated, prompts drawn anew each time); "
+                            "the report shows the median repeat and the spread")
     cmp_p.add_argument("--out", required=True, help="output directory")
     cmp_p.add_argument("--hardware", help="what it ran on, for the report (e.g. '2 × NVIDIA H200')")
     _add_workload_flags(cmp_p, sweep=True)
@@ -261,6 +277,17 @@ def loads_from_args(args: argparse.Namespace) -> list[Load]:
     if args.rate is not None:
         return [Load(rate=r) for r in (args.rate if isinstance(args.rate, list) else [args.rate])]
     return [Load(concurrency=c) for c in (args.concurrency if isinstance(args.concurrency, list) else [args.concurrency])]
+
+
+# A repeat's prompts and arrivals are drawn anew: its seeds are shifted by this per repeat.
+REPEAT_SEED_STRIDE = 7919
+
+
+def repeat_order(policies: list[str], repeat: int) -> list[str]:
+    """The order policies run in during a repeat: rotated by one each time, so none always runs first
+    (on a fresh machine the first cluster also pays cold compile caches)."""
+    shift = repeat % len(policies) if policies else 0
+    return policies[shift:] + policies[:shift]
 
 
 def point_seed_offset(workload: str, level: Load) -> int:
@@ -380,7 +407,8 @@ def serving(policy: str, config: KvtideConfig, out: Path, args: argparse.Namespa
 def cmd_compare(args: argparse.Namespace) -> int:
     from kvtide.benchmarks.plots import write_plots, write_sweep_plots
     from kvtide.benchmarks.overhead import stop_servers_on_sigterm
-    from kvtide.benchmarks.report import RequestResult, compare_markdown, sweep_markdown
+    from kvtide.benchmarks.report import (RequestResult, aggregate_repeats, compare_markdown, spread_markdown,
+                                          sweep_markdown)
     from kvtide.cluster.cli import default_config_path
 
     policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
@@ -391,38 +419,51 @@ def cmd_compare(args: argparse.Namespace) -> int:
     config_path = args.config or default_config_path()
     configs = {p: policy_config(config_path, args.overrides, p) for p in policies}
     points = [(name, level) for name in args.workload for level in loads_from_args(args)]
-    workloads = [workload_from_args(args, name, seed_offset=point_seed_offset(name, level)) for name, level in points]
     sweep = len(points) > 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # {point label: {policy: run JSON}}; a single point keeps the flat {policy: run JSON}.
+    # {point label: {policy: [run JSON per repeat]}} → results.json: {point label: {policy: run JSON}}
+    # (the median repeat, `aggregate_repeats`); a single point keeps the flat {policy: run JSON}.
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     results: dict[str, dict[str, dict[str, Any]]] = {}
     samples: dict[str, list[RequestResult]] = {}
     notes: list[str] = []
     failed: list[str] = []
-    for policy, config in configs.items():
-        print(f"kvtide bench compare: starting {policy} ...", flush=True)
-        try:
-            with serving(policy, config, out, args) as target:
-                for i, ((name, level), workload) in enumerate(zip(points, workloads)):
-                    report, load = asyncio.run(bench_once(target.base_url, target.metrics, workload, policy, args,
-                                                          target.model_name, level, args.warmup if i == 0 else 0))
-                    label = f"{name} @ {level.label}"
-                    results.setdefault(label, {})[policy] = report
-                    stem = f"{policy}.{name}.{level.label.replace(' ', '')}" if sweep else policy
-                    _write_samples(out / f"{stem}.requests.jsonl", load)
-                    samples[policy] = load.results
-                    # After each point: a crash keeps finished runs.
-                    _write_json(out / "results.json", results if sweep else results[label])
-                    print(f"{label}: {_one_line(report)}", flush=True)
-            notes += [target.note] if target.note else []
-        except Exception as exc:  # one policy failing to start must not lose the others' runs
-            print(f"kvtide bench compare: {policy} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            failed.append(policy)
-            notes.append(f"`{policy}` failed: {type(exc).__name__}: {str(exc)[:500]}")
+    for repeat in range(args.repeats):
+        workloads = [workload_from_args(args, name, seed_offset=point_seed_offset(name, level) + REPEAT_SEED_STRIDE
+                                        * repeat) for name, level in points]
+        for policy in repeat_order(list(configs), repeat):
+            if policy in failed:
+                continue
+            print(f"kvtide bench compare: starting {policy}{f' (repeat {repeat + 1})' if args.repeats > 1 else ''} ...",
+                  flush=True)
+            try:
+                with serving(policy, configs[policy], out, args) as target:
+                    for i, ((name, level), workload) in enumerate(zip(points, workloads)):
+                        report, load = asyncio.run(bench_once(target.base_url, target.metrics, workload, policy, args,
+                                                              target.model_name, level, args.warmup if i == 0 else 0))
+                        label = f"{name} @ {level.label}"
+                        runs.setdefault(label, {}).setdefault(policy, []).append({**report, "repeat": repeat})
+                        results.setdefault(label, {})[policy] = aggregate_repeats(runs[label][policy])
+                        stem = f"{policy}.{name}.{level.label.replace(' ', '')}" if sweep else policy
+                        _write_samples(out / f"{stem}{f'.r{repeat}' if args.repeats > 1 else ''}.requests.jsonl", load)
+                        samples[policy] = load.results
+                        # After each point: a crash keeps finished runs.
+                        _write_json(out / "results.json", results if sweep else results[label])
+                        if args.repeats > 1:
+                            _write_json(out / "runs.json", runs)
+                        print(f"{label}: {_one_line(report)}", flush=True)
+                notes += [target.note] if target.note and target.note not in notes else []
+            except Exception as exc:  # one policy failing to start must not lose the others' runs
+                print(f"kvtide bench compare: {policy} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                failed.append(policy)
+                notes.append(f"`{policy}` failed: {type(exc).__name__}: {str(exc)[:500]}")
     if not results:
         print("kvtide bench compare: no policy produced a run", file=sys.stderr)
         return 1
+    if args.repeats > 1:
+        notes.append(f"{args.repeats} repeats, the policy order rotated each time and each repeat's prompts drawn "
+                     "anew; tables show the repeat with the median goodput, the spread section every repeat.")
     command = "kvtide " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else None
     if sweep:
         text = sweep_markdown(results, command=command, notes=notes, hardware=args.hardware)
@@ -432,6 +473,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
         samples = {p: samples[p] for p in flat}
         text = compare_markdown(flat, command=command, notes=notes, hardware=args.hardware)
         write_plots(flat, samples, out)
-    (out / "report.md").write_text(text)
+    (out / "report.md").write_text(text + spread_markdown(results))
     print(f"kvtide bench compare: wrote {out}/results.json, report.md and plots")
     return 1 if failed else 0

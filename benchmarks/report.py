@@ -37,6 +37,7 @@ cache counters summed, each server's requests under its own name.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -286,6 +287,53 @@ def compare_markdown(results: Mapping[str, Mapping[str, Any]], *, baseline: str 
     if notes:
         lines += ["", *[f"- {note}" for note in notes]]
     lines += ["", "Plots: `ttft_cdf.png`, `hit_rate.png`, `throughput.png`.", ""]
+    return "\n".join(lines)
+
+
+# What a repeated comparison reports the spread of, per policy and point: (label, getter).
+SPREAD_METRICS: tuple[tuple[str, Any], ...] = (
+    ("goodput_requests_per_s", lambda r: r.get("goodput_requests_per_s")),
+    ("ttft_p50_s", lambda r: r["ttft_s"]["p50"]),
+    ("ttft_p90_s", lambda r: r["ttft_s"]["p90"]),
+    ("itl_mean_s", lambda r: r["itl_s"]["mean"]),
+    ("output_tokens_per_s", lambda r: r["output_tokens_per_s"]),
+    ("prefix_cache_hit_rate", lambda r: r["prefix_cache_hit_rate"]),
+)
+
+
+def aggregate_repeats(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One policy's runs of one point (repeats) → the median run, with every repeat's key metrics under "repeats".
+
+    The median run is a real run (the one with the median goodput; ties by TTFT p90), not a
+    mix of medians, so its tables stay self-consistent; "repeats" holds each metric's values
+    in run order, which the report shows as median [min–max].
+    """
+    if len(runs) == 1:
+        return dict(runs[0])
+    ranked = sorted(runs, key=lambda r: (r.get("goodput_requests_per_s") or 0.0, -(r["ttft_s"]["p90"] or 0.0)))
+    median = dict(ranked[(len(ranked) - 1) // 2])
+    median["repeats"] = {"n": len(runs), **{name: [get(r) for r in runs] for name, get in SPREAD_METRICS}}
+    return median
+
+
+def spread_markdown(points: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
+    """Median [min–max] over repeats of each policy's key metrics, per point ("" if nothing was repeated)."""
+    lines: list[str] = []
+    for label, runs in points.items():
+        repeated = {p: r["repeats"] for p, r in runs.items() if "repeats" in r}
+        if not repeated:
+            continue
+        lines += [f"## {label}: spread over repeats", "",
+                  "| policy | runs | " + " | ".join(name for name, _ in SPREAD_METRICS) + " |",
+                  "|---|---:|" + "---:|" * len(SPREAD_METRICS)]
+        for policy, reps in repeated.items():
+            cells = []
+            for name, _ in SPREAD_METRICS:
+                values = [v for v in reps[name] if v is not None]
+                cells.append(f"{_fmt(statistics.median(values))} [{_fmt(min(values))}–{_fmt(max(values))}]"
+                             if values else "–")
+            lines.append(f"| {policy} | {reps['n']} | " + " | ".join(cells) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@
 #   bash benchmarks/h200/run.sh routing        `kvtide bench compare` on the x2 kind: 4 replicas of the 8B shape
 #                                              (2 per GPU), bare / pow2 / prefix_aware / round_robin, Zipf
 #                                              shared-prefix at several open-loop rates (POLICIES, RATES, ...)
+#   bash benchmarks/h200/run.sh warm           one unmeasured start of the routing fleet (compile caches), before routing
 #   bash benchmarks/h200/run.sh routing-multiturn the same fleet on multi-turn conversations (MULTITURN_POLICIES, _RATES)
 #   bash benchmarks/h200/run.sh routing-random the same fleet on random prompts (routing must not hurt;
 #                                              RANDOM_POLICIES, RANDOM_RATES)
@@ -120,6 +121,7 @@ compare() {  # out name, policies, workload, rates, extra args...
   python3 -m kvtide.cluster.cli bench compare --config "$REPO/cluster/configs/gpu-demo.yaml" "${FLEET_8B[@]}" \
       --policies "$policies" --workload "$workload" --rate "$rates" --duration "${DURATION:-15}" \
       --tokenizer /tmp/models/llama-8b-shape --slo-ttft-s 1.0 --metrics-settle 20 --drain-timeout 20 --no-progress \
+      --repeats "${REPEATS:-1}" \
       --hardware "$(nvidia-smi -L | wc -l) × NVIDIA H200, 4 engine replicas of a Llama-3.1-8B-shaped model (random weights), $ROUTING_SHARE GPU and $(( ${ROUTING_KV_BYTES:-6442450944} / 1073741824 )) GiB KV each, vLLM $(python3 -c 'import vllm; print(vllm.__version__)' 2>/dev/null)" \
       --out "$RES/$name" "$@" > "$RES/$name/compare.log" 2>&1
   echo "$name: exit $?" >> "$RES/driver-notes.txt"
@@ -180,6 +182,11 @@ autoscale)  # AUTOSCALE_GPU_SHARE: GPU per replica (0.5 = two per GPU on the x2;
   # Each replica's start-up by phase is in autoscale.json (the exported gauge); its log line goes
   # to the replica's Serve log file, which Serve buffers (it may not be flushed before a stop).
   grep -h "start-up:" /tmp/ray/session_*/logs/serve/replica_*.log > "$RES/start-phases.txt" 2>/dev/null
+  ;;
+warm)  # one unmeasured cluster of the routing fleet first: the compile caches the measured runs then share
+  build_8b; leftovers warm
+  DURATION=5 compare warm pow2 shared-prefix 2 --num-groups 4 --prompts-per-group 4 --system-prompt-len 2000 \
+      --question-len 64 --output-len 16
   ;;
 routing-multiturn)  # 48 users x 6 rounds, each user's history (up to ~3k tokens) outgrows a fair share of one cache
   build_8b; leftovers routing-multiturn

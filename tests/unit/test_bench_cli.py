@@ -94,9 +94,10 @@ def test_a_points_seed_depends_on_the_point_not_its_place_in_the_lists():
 
 @pytest.mark.parametrize("bad", [["--workload", "random,nope", "--rate", "1"],
                                  ["--workload", "random", "--rate", "1,0"],
-                                 ["--workload", "random", "--concurrency", "two"]])
+                                 ["--workload", "random", "--concurrency", "two"],
+                                 ["--workload", "random", "--rate", "1", "--repeats", "0"]])
 def test_compare_rejects_bad_sweep_lists(bad):
-    """An unknown workload or a non-positive / non-numeric load in a list is a usage error."""
+    """An unknown workload, a non-positive / non-numeric load in a list, or fewer than 1 repeat is a usage error."""
     with pytest.raises(SystemExit):
         parse(["bench", "compare", "--out", "d", *bad])
 
@@ -134,3 +135,37 @@ def test_a_policy_that_fails_to_start_does_not_lose_the_others(tmp_path, monkeyp
     assert list(results) == ["random @ rate 1", "random @ rate 2"]
     assert all(list(runs) == ["prefix_aware"] for runs in results.values())
     assert "`pow2` failed: RuntimeError: the kvtide app kept failing to start" in (tmp_path / "report.md").read_text()
+
+
+def test_repeats_rotate_the_policy_order_and_draw_new_prompts(tmp_path, monkeypatch):
+    """--repeats 3: each repeat starts with another policy and its own seeds; runs.json keeps every run."""
+    import contextlib
+
+    from kvtide.benchmarks import cli
+    from kvtide.benchmarks.loadgen import LoadResult
+    from kvtide.benchmarks.report import build_run_report
+
+    started, seeds = [], []
+
+    @contextlib.contextmanager
+    def fake_serving(policy, config, out, args):
+        started.append(policy)
+        yield cli.Target("http://127.0.0.1:1", None, "m")
+
+    async def fake_bench_once(base_url, metrics, workload, policy, args, model=None, load_level=None, warmup=None):
+        seeds.append(workload.seed)
+        report = build_run_report(workload=workload.name, policy=policy, results=[], duration_s=1.0, metrics=None)
+        return report, LoadResult([], 1.0)
+
+    monkeypatch.setattr(cli, "serving", fake_serving)
+    monkeypatch.setattr(cli, "bench_once", fake_bench_once)
+    args = parse(["bench", "compare", "--policies", "pow2,prefix_aware,bare", "--workload", "random", "--rate", "1",
+                  "--num-requests", "3", "--repeats", "3", "--out", str(tmp_path)])
+    assert args.func(args) == 0
+    assert started == ["pow2", "prefix_aware", "bare", "prefix_aware", "bare", "pow2", "bare", "pow2", "prefix_aware"]
+    assert len(set(seeds)) == 3 and seeds[0] == seeds[1] == seeds[2]  # one seed per repeat, the same for all policies
+    runs = json.loads((tmp_path / "runs.json").read_text())
+    assert [r["repeat"] for r in runs["random @ rate 1"]["pow2"]] == [0, 1, 2]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["prefix_aware"]["repeats"]["n"] == 3
+    assert "spread over repeats" in (tmp_path / "report.md").read_text()

@@ -240,3 +240,22 @@ def test_sweep_markdown_tabulates_goodput_per_load_and_policy(tmp_path):
     assert "| rate 2 req/s | 0.50 (0.90) | 0.50 (0.90) |" in md  # hit rate beside the oracle's
     assert md.count("Ratios vs `bare`") == 2
     assert [p.name for p in write_sweep_plots(points, tmp_path)] == ["shared-prefix_sweep.png"]
+
+
+def _repeat_run(goodput: float, ttft_p90: float) -> dict:
+    return {"goodput_requests_per_s": goodput, "ttft_s": {"p50": ttft_p90 / 2, "p90": ttft_p90},
+            "itl_s": {"mean": 0.01}, "output_tokens_per_s": 100.0 * goodput, "prefix_cache_hit_rate": 0.5}
+
+
+def test_repeats_aggregate_to_the_median_run_with_every_repeats_metrics():
+    """The median-goodput run stands for the policy (a real run, not a mix); the spread keeps each repeat's values."""
+    from kvtide.benchmarks.report import aggregate_repeats, spread_markdown
+
+    runs = [_repeat_run(3.0, 0.9), _repeat_run(1.0, 2.0), _repeat_run(2.0, 1.1)]
+    agg = aggregate_repeats(runs)
+    assert agg["goodput_requests_per_s"] == 2.0 and agg["ttft_s"]["p90"] == 1.1
+    assert agg["repeats"]["n"] == 3 and agg["repeats"]["goodput_requests_per_s"] == [3.0, 1.0, 2.0]
+    assert aggregate_repeats(runs[:1]) == runs[0]  # one run: as it was, no spread
+    text = spread_markdown({"random @ rate 1": {"pow2": agg}})
+    assert "| pow2 | 3 | 2.000 [1.000–3.000] |" in text
+    assert spread_markdown({"random @ rate 1": {"pow2": runs[0]}}) == ""
