@@ -35,8 +35,10 @@ Algorithm, one decision:
                  whatever its affinity, credit or session; under the guard the session's
                  replica comes first
     tiebreak     replicas tied for FIRST place are reordered by rendezvous weight of the
-                 session key, else of g; only a request with neither (no full block, no
-                 session) draws from the rng. Later places (tried only when the first
+                 session key; else, by g: the tied replicas holding most of the request
+                 first, or, if none holds any, the engine holding the fewest blocks first
+                 (new prefixes fill the emptiest cache), then by rendezvous weight of g;
+                 only a request with neither (no full block, no session) draws from the rng. Later places (tried only when the first
                  rejects) keep replica-id order, so weights are computed for the few
                  tied replicas, not all N
 
@@ -250,7 +252,7 @@ def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshot
     if not first_sticky and len(order) > 1:
         tied = _tied_for_first(order, over, costs)
         if tied > 1:
-            order[:tied] = _break_tie_for_first(order[:tied], ids, session_key, group, rng)
+            order[:tied] = _break_tie_for_first(order[:tied], ids, blocks_of, session_key, group, rng, index)
     picked_blocks = blocks_of[order[0]]
     if best_blocks == 0:
         outcome: Outcome = "no_match"
@@ -305,19 +307,33 @@ def _tied_for_first(order: list[int], over: list[bool], costs: list[float]) -> i
     return end
 
 
-def _break_tie_for_first(tied: list[int], ids: list[str], session_key: str | None, group: BlockHash | None,
-                         rng: random.Random) -> list[int]:
-    """Order the replicas tied for first place: by rendezvous weight of the session key, else of the group.
+def _break_tie_for_first(tied: list[int], ids: list[str], blocks_of: list[int], session_key: str | None,
+                         group: BlockHash | None, rng: random.Random, index: PrefixIndex) -> list[int]:
+    """Order the replicas tied for first place: a session by rendezvous weight of its key; a prefix
+    group to the replicas that really hold most of the request (a hot group's credit ties members
+    that do not), by rendezvous weight of the group among them; a prefix none of them holds to
+    the replica whose engine holds the fewest blocks, then by rendezvous weight.
 
-    Only the first place is contested (later places are tried only when the first rejects,
-    and keep their replica-id order), so the weights are computed for a few replicas, not N.
+    Fewest blocks for a new prefix (Ray's PrefixCacheAffinityRouter sends an unmatched prefix to its
+    smallest tree too): at low load every replica ties, and rendezvous alone dealt 20 groups to
+    4 replicas unevenly, so some engines held and served far more prefixes than others
+    (imbalance 1.36 against Ray's 1.00 on the H200, benchmarks/results/h200-session-2026-12-01c).
+    The count is the engines' own report, which every router sees alike (routers still agree,
+    but for the ~1 s a digest takes to reach them all). Only the first place is contested
+    (later places are tried only when the first rejects, and keep their replica-id order), so
+    the weights are computed for a few replicas, not N.
     """
-    tie_key = rendezvous.hash_str(session_key) if session_key is not None else group
-    if tie_key is None:
+    if session_key is not None:
+        weights = rendezvous.weights(rendezvous.hash_str(session_key), [ids[i] for i in tied])
+        tied.sort(key=lambda i: weights[ids[i]], reverse=True)
+    elif group is not None:
+        weights = rendezvous.weights(group, [ids[i] for i in tied])
+        if any(blocks_of[i] for i in tied):  # some hold it: the holders first, by rendezvous among them
+            tied.sort(key=lambda i: (-blocks_of[i], -weights[ids[i]]))
+        else:  # a prefix new to all of them: the emptiest engine
+            tied.sort(key=lambda i: (index.num_held_by(ids[i]), -weights[ids[i]]))
+    else:
         rng.shuffle(tied)  # no blocks, no session: nothing for routers to agree on
-        return tied
-    weights = rendezvous.weights(tie_key, [ids[i] for i in tied])
-    tied.sort(key=lambda i: weights[ids[i]], reverse=True)
     return tied
 
 

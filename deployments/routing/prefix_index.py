@@ -321,6 +321,11 @@ class PrefixIndex:
         """Distinct block hashes in the routing history (pruned lazily)."""
         return len(self._routed)
 
+    def num_held_by(self, replica_id: str) -> int:
+        """Blocks the replica's engine holds, as last reported (0 before any report)."""
+        blocks = self._engine_blocks.get(replica_id)
+        return len(blocks) if blocks is not None else 0
+
     def held_by(self, replica_id: str) -> frozenset[BlockHash]:
         """The replica's engine-truth set as last applied (a copy)."""
         return frozenset(self._engine_blocks.get(replica_id, ()))

@@ -162,6 +162,18 @@ def test_ties_with_blocks_ignore_the_rng_and_spread_over_prefixes():
     assert set(wins) == {"a", "b"} and min(wins.values()) > 150
 
 
+def test_a_prefix_no_tied_replica_holds_goes_to_the_emptiest_engine():
+    """At equal load, new prefixes fill the engine holding the fewest blocks first (as Ray's smallest tree)."""
+    index = index_with()
+    for rid, n in (("a", 30), ("b", 5), ("c", 60)):  # other prompts' blocks fill the engines unevenly
+        index.apply_digest(CacheDigest.from_hashes(rid, 1, 1, [10_000 * (ord(rid) + 1) + i for i in range(n)]))
+    prompts = [block_hashes([p] * (4 * BS), BS) for p in range(50)]
+    assert {decide(snaps(a=1, b=1, c=1), index, hashes=h).ranked[0] for h in prompts} == {"b"}
+    # a prefix one of them holds still goes to its holder; load still comes first
+    assert decide(snaps(a=1, b=1, c=1), index, hashes=tuple(10_000 * (ord("c") + 1) + i for i in range(8))).ranked[0] == "c"
+    assert decide(snaps(a=1, b=4, c=1), index, hashes=prompts[0]).ranked[0] == "a"
+
+
 def test_seeded_rng_is_deterministic():
     """The same seed gives the same ranking (reproducible benchmarks and tests)."""
     s = snaps(a=0, b=0, c=0, d=0)
