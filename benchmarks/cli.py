@@ -301,7 +301,7 @@ def point_seed_offset(workload: str, level: Load) -> int:
 
 async def bench_once(base_url: str, metrics: MetricsSource, workload: Workload, policy: str | None,
                      args: argparse.Namespace, model: str | None = None, load_level: Load | None = None,
-                     warmup: int | None = None) -> tuple[dict[str, Any], LoadResult]:
+                     warmup: int | None = None, num_replicas: int | None = None) -> tuple[dict[str, Any], LoadResult]:
     """Warm up, scrape, run the workload, scrape again after the counters settle; the run JSON and raw results."""
     level = load_level or loads_from_args(args)[0]
     async with httpx.AsyncClient(timeout=10.0) as client:
@@ -319,7 +319,8 @@ async def bench_once(base_url: str, metrics: MetricsSource, workload: Workload, 
     report = build_run_report(workload=workload.name, policy=policy, results=load.results,
                               duration_s=load.duration_s, metrics=metrics_delta(before, after),
                               slo_ttft_s=args.slo_ttft_s, offered_rate_per_s=level.rate,
-                              concurrency=level.concurrency, oracle_hit_rate=oracle_hit_rate(sent))
+                              concurrency=level.concurrency, oracle_hit_rate=oracle_hit_rate(sent),
+                              num_replicas=num_replicas)
     return report, load
 
 
@@ -368,6 +369,7 @@ class Target:
     metrics: MetricsSource
     model_name: str
     note: str | None = None
+    num_replicas: int | None = None  # the fleet's size, for the imbalance (None: unknown)
 
 
 def policy_config(config_path: str, overrides: list[str], policy: str) -> KvtideConfig:
@@ -386,22 +388,28 @@ def policy_config(config_path: str, overrides: list[str], policy: str) -> Kvtide
 @contextlib.contextmanager
 def serving(policy: str, config: KvtideConfig, out: Path, args: argparse.Namespace) -> Iterator[Target]:
     """The bare fleet or the local kvtide cluster for `policy`, stopped (every process) on exit."""
+    from kvtide.benchmarks.bare_fleet import fleet_size
+
+    try:
+        n: int | None = fleet_size(config)
+    except ValueError:  # no fixed size to mirror (bare and ray_kv then failed in policy_config already)
+        n = None
     if policy == BARE_POLICY:
         from kvtide.benchmarks import bare_fleet
 
         with bare_fleet.running(config, out / BARE_POLICY, request_timeout_s=args.request_timeout,
                                 balancer=args.bare_balancer) as fleet:
-            yield Target(fleet.base_url, fleet.metrics_urls, fleet.model_name, fleet.note)
+            yield Target(fleet.base_url, fleet.metrics_urls, fleet.model_name, fleet.note, n)
     elif policy == RAY_KV_POLICY:
         from kvtide.benchmarks import ray_llm_fleet
 
         with ray_llm_fleet.running(config, out / RAY_KV_POLICY) as ray_kv:
-            yield Target(ray_kv.base_url, ray_kv.metrics_url, ray_kv.model_name, ray_kv.note)
+            yield Target(ray_kv.base_url, ray_kv.metrics_url, ray_kv.model_name, ray_kv.note, n)
     else:
         from kvtide.cluster import local
 
         with local.running(config) as cluster:
-            yield Target(cluster.base_url, cluster.metrics_url, cluster.model_name)
+            yield Target(cluster.base_url, cluster.metrics_url, cluster.model_name, num_replicas=n)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -441,7 +449,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 with serving(policy, configs[policy], out, args) as target:
                     for i, ((name, level), workload) in enumerate(zip(points, workloads)):
                         report, load = asyncio.run(bench_once(target.base_url, target.metrics, workload, policy, args,
-                                                              target.model_name, level, args.warmup if i == 0 else 0))
+                                                              target.model_name, level, args.warmup if i == 0 else 0,
+                                                              target.num_replicas))
                         label = f"{name} @ {level.label}"
                         runs.setdefault(label, {}).setdefault(policy, []).append({**report, "repeat": repeat})
                         results.setdefault(label, {})[policy] = aggregate_repeats(runs[label][policy])

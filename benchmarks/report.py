@@ -17,7 +17,9 @@ The run JSON has exactly these keys (`RUN_KEYS`), whatever server was measured:
     oracle_hit_rate                       the hit rate of one infinite fleet-wide cache on the
                                           requests sent (workloads.oracle_hit_rate): the ceiling
     requests_per_replica                  {replica id: requests finished there over the run}
-    imbalance                             max / mean of requests_per_replica
+    imbalance                             max / mean of requests_per_replica over the whole fleet
+                                          (a replica that served nothing counts as 0: it may
+                                          report no series at all)
 
 The last three come from the server's Prometheus text, read before and after the run;
 the deltas exclude whatever ran earlier. Series names, both spellings accepted:
@@ -105,11 +107,16 @@ def summarize(samples: Sequence[float]) -> dict[str, float | None]:
             "mean": sum(samples) / len(samples)}
 
 
-def imbalance(requests_per_replica: Mapping[str, float]) -> float | None:
-    """max / mean of the per-replica counts (1.0 is perfectly even); null if there are none."""
+def imbalance(requests_per_replica: Mapping[str, float], num_replicas: int | None = None) -> float | None:
+    """max / mean of the per-replica counts (1.0 is perfectly even); null if there are none.
+
+    The mean is over `num_replicas` when the fleet is larger than the replicas that reported:
+    a replica that served nothing has no series, and leaving it out read an all-on-one-replica
+    run as perfectly even (1.00, benchmarks/results/h200-session-2026-12-01d).
+    """
     if not requests_per_replica:
         return None
-    mean = sum(requests_per_replica.values()) / len(requests_per_replica)
+    mean = sum(requests_per_replica.values()) / max(len(requests_per_replica), num_replicas or 0)
     return max(requests_per_replica.values()) / mean if mean > 0 else None
 
 
@@ -173,8 +180,11 @@ def goodput_count(results: Iterable[RequestResult], slo_ttft_s: float) -> int:
 def build_run_report(*, workload: str, policy: str | None, results: Iterable[RequestResult], duration_s: float,
                      metrics: MetricsSample | None, slo_ttft_s: float = DEFAULT_SLO_TTFT_S,
                      offered_rate_per_s: float | None = None, concurrency: int | None = None,
-                     oracle_hit_rate: float | None = None) -> dict[str, Any]:
-    """The run JSON (exactly `RUN_KEYS`) from per-request results and the metrics delta (None: no metrics URL)."""
+                     oracle_hit_rate: float | None = None, num_replicas: int | None = None) -> dict[str, Any]:
+    """The run JSON (exactly `RUN_KEYS`) from per-request results and the metrics delta (None: no metrics URL).
+
+    `num_replicas`: the fleet's size, for `imbalance` (None: the replicas that reported).
+    """
     results = list(results)
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -204,7 +214,7 @@ def build_run_report(*, workload: str, policy: str | None, results: Iterable[Req
         "prefix_cache_hit_rate": hit_rate,
         "oracle_hit_rate": oracle_hit_rate,
         "requests_per_replica": per_replica,
-        "imbalance": imbalance(per_replica),
+        "imbalance": imbalance(per_replica, num_replicas),
     }
     assert tuple(report) == RUN_KEYS
     return report

@@ -94,15 +94,19 @@ RAY_PREFIX_ROUTER_KWARGS = {
 
 
 def request_router_config(config: KvtideConfig) -> RequestRouterConfig | None:
-    """The engine deployment's router for `routing.policy` (None: Ray's default pow2)."""
+    """The engine deployment's router for `routing.policy` (pow2 and ray_prefix: Ray's routers, deployments.baseline_routers)."""
     routing = config.routing
+    # The baselines are Ray's own routers, wrapped so that direct mode's pick-only calls route
+    # as those routers were designed to (deployments.baseline_routers says why); by import
+    # path, so that only a process that routes with them imports Ray Serve LLM.
     if routing.policy == "pow2":
-        return RequestRouterConfig(request_routing_stats_period_s=routing.stats_period_s)
+        return RequestRouterConfig(request_router_class="kvtide.deployments.baseline_routers:Pow2Router",
+                                   request_routing_stats_period_s=routing.stats_period_s)
     if routing.policy == "round_robin":
         return RequestRouterConfig(request_router_class=RoundRobinRouter,
                                    request_routing_stats_period_s=routing.stats_period_s)
     if routing.policy == "ray_prefix":
-        return RequestRouterConfig(request_router_class="ray.serve.llm.request_router:PrefixCacheAffinityRouter",
+        return RequestRouterConfig(request_router_class="kvtide.deployments.baseline_routers:RayPrefixRouter",
                                    request_router_kwargs=RAY_PREFIX_ROUTER_KWARGS,
                                    request_routing_stats_period_s=routing.stats_period_s)
     kwargs = {"block_size": config.engine.block_size, "routing": routing.model_dump(mode="json")}

@@ -109,7 +109,7 @@ def _decision_slot(pending_request: Optional[PendingRequest]) -> dict | None:
     return slot if isinstance(slot, dict) else None
 
 
-def _is_pick_only(pending_request: Optional[PendingRequest]) -> bool:
+def is_pick_only(pending_request: Optional[PendingRequest]) -> bool:
     return pending_request is not None and bool(pending_request.args) and isinstance(pending_request.args[0],
                                                                                        RoutingKey)
 
@@ -185,7 +185,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
             # The prediction for the replica Ray tries first; the frontend drops it if another served.
             write_prediction(slot, decision.ranked[0], decision.matched_tokens)
         self._record_digest_ages(now_s)
-        if decision.ranked and _is_pick_only(pending_request):
+        if decision.ranked and is_pick_only(pending_request):
             # Ray takes the first replica of a pick-only ranking and tells the router nothing more.
             picked = decision.ranked[0]
             self._fleet.book_pick(picked)

@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Generator, Iterable, Mapping
 
+from kvtide.deployments.routing.pick_load import PickCounts
 from kvtide.deployments.routing.policy import RouterState
 from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
 
@@ -58,8 +59,7 @@ class FleetView:
         self._applying: tuple[CacheDigest, Generator[None, None, bool]] | None = None
         # replica → (running, waiting, kv usage, pending prefill tokens)
         self._reported: dict[str, tuple[int, int, float, int]] = {}
-        self._reported_s: dict[str, Any] = {}  # replica → the `reported_s` stamp of its last stats
-        self._picks: dict[str, int] = {}  # pick-only choices since that report
+        self._picks = PickCounts()  # pick-only choices since each replica's last report
         self._snapshots: dict[str, ReplicaSnapshot] = {}
         self._digest_s: dict[str, float] = {}  # replica → engine timestamp of its newest applied digest
 
@@ -69,11 +69,7 @@ class FleetView:
             digest = stats.get("digest")
             if isinstance(digest, CacheDigest):
                 self._receive(rekey(digest, rid))
-            reported_s = stats.get("reported_s")
-            if reported_s != self._reported_s.get(rid):
-                # The engine's numbers now include the picks made before this report.
-                self._reported_s[rid] = reported_s
-                self._picks[rid] = 0
+            self._picks.on_report(rid, stats.get("reported_s"))
             reported = (int(stats.get("num_running", 0)), int(stats.get("num_waiting", 0)),
                         float(stats.get("kv_usage_perc", 0.0)), int(stats.get("pending_prefill_tokens", 0)))
             if reported != self._reported.get(rid):
@@ -131,7 +127,8 @@ class FleetView:
         self._queued = deque(d for d in self._queued if d.replica_id != replica_id)
         self._newest_queued.pop(replica_id, None)
         self.state.remove_replica(replica_id)
-        for table in (self._reported, self._reported_s, self._picks, self._snapshots, self._digest_s):
+        self._picks.forget(replica_id)
+        for table in (self._reported, self._snapshots, self._digest_s):
             table.pop(replica_id, None)
 
     def digest_ages_s(self, now_s: float) -> dict[str, float]:
@@ -144,12 +141,12 @@ class FleetView:
 
     def book_pick(self, replica_id: str) -> None:
         """A pick-only choice (no request sent through Ray): count it as load until the next report."""
-        self._picks[replica_id] = self._picks.get(replica_id, 0) + 1
+        self._picks.book(replica_id)
 
     def snapshots(self, in_flight: Iterable[tuple[str, int | None]]) -> list[ReplicaSnapshot]:
         """One snapshot per (replica id, this router's in-flight count or None), in that order."""
         out = []
-        cache, picks = self._snapshots, self._picks
+        cache, picks = self._snapshots, self._picks.picks
         for rid, ongoing in in_flight:
             ongoing = max(ongoing or 0, picks.get(rid, 0))
             snap = cache.get(rid)

@@ -122,7 +122,8 @@ def test_a_policy_that_fails_to_start_does_not_lose_the_others(tmp_path, monkeyp
             raise RuntimeError("the kvtide app kept failing to start")
         yield cli.Target("http://127.0.0.1:1", None, "m")
 
-    async def fake_bench_once(base_url, metrics, workload, policy, args, model=None, load_level=None, warmup=None):
+    async def fake_bench_once(base_url, metrics, workload, policy, args, model=None, load_level=None, warmup=None,
+                              num_replicas=None):
         report = build_run_report(workload=workload.name, policy=policy, results=[], duration_s=1.0, metrics=None)
         return report, LoadResult([], 1.0)
 
@@ -152,7 +153,8 @@ def test_repeats_rotate_the_policy_order_and_draw_new_prompts(tmp_path, monkeypa
         started.append(policy)
         yield cli.Target("http://127.0.0.1:1", None, "m")
 
-    async def fake_bench_once(base_url, metrics, workload, policy, args, model=None, load_level=None, warmup=None):
+    async def fake_bench_once(base_url, metrics, workload, policy, args, model=None, load_level=None, warmup=None,
+                              num_replicas=None):
         seeds.append(workload.seed)
         report = build_run_report(workload=workload.name, policy=policy, results=[], duration_s=1.0, metrics=None)
         return report, LoadResult([], 1.0)

@@ -180,6 +180,12 @@ def test_imbalance_table(counts, expected):
     assert imbalance(counts) == expected
 
 
+def test_imbalance_counts_replicas_that_served_nothing():
+    """A fleet of 4 whose one replica served all 67 requests is 4x imbalanced, not 1.00 (silent replicas count as 0)."""
+    assert imbalance({"a": 67}, num_replicas=4) == 4.0
+    assert imbalance({"a": 3, "b": 1}, num_replicas=2) == 1.5  # every replica reported: as before
+
+
 def test_compare_markdown_has_ratios_vs_pow2():
     """The comparison table lists every policy and ratios against pow2."""
     fast = build_run_report(workload="w", policy="prefix_aware", results=[ok(0.1, 1.0)], duration_s=1.0,
