@@ -106,7 +106,7 @@ def request_router_config(config: KvtideConfig) -> RequestRouterConfig | None:
         return RequestRouterConfig(request_router_class=RoundRobinRouter,
                                    request_routing_stats_period_s=routing.stats_period_s)
     if routing.policy == "ray_prefix":
-        return RequestRouterConfig(request_router_class="kvtide.deployments.baseline_routers:RayPrefixRouter",
+        return RequestRouterConfig(request_router_class="kvtide.deployments.ray_prefix_router:RayPrefixRouter",
                                    request_router_kwargs=RAY_PREFIX_ROUTER_KWARGS,
                                    request_routing_stats_period_s=routing.stats_period_s)
     kwargs = {"block_size": config.engine.block_size, "routing": routing.model_dump(mode="json")}

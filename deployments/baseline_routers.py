@@ -20,6 +20,8 @@ below do, and only on pick-only calls (a call through Ray's normal path is uncha
 among the first rank's replicas the shortest queue wins (ties at random, as Ray's probe of
 equal queues would), the queue being the engine's last report plus the picks since
 (`routing.pick_load`); then the prefix router books the pick as `on_request_routed` would.
+`RayPrefixRouter` lives in `deployments.ray_prefix_router`: importing Ray Serve LLM takes ~2 s,
+which only a ray_prefix process should pay.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from __future__ import annotations
 import random
 from typing import Any, List, Optional
 
-from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
@@ -35,7 +36,7 @@ from kvtide.deployments.router import is_pick_only
 from kvtide.deployments.routing.pick_load import PickOnlyLoad
 
 
-class _PickOnlyShortestQueue:
+class PickOnlyShortestQueue:
     """Mixin (before Ray's router in the bases): pick-only calls get one replica, the shortest queue."""
 
     def initialize_state(self, **kwargs: Any) -> None:
@@ -65,13 +66,5 @@ class _PickOnlyShortestQueue:
         """What Ray's normal path would tell the router once the request is sent (nothing, by default)."""
 
 
-class Pow2Router(_PickOnlyShortestQueue, PowerOfTwoChoicesRequestRouter):
+class Pow2Router(PickOnlyShortestQueue, PowerOfTwoChoicesRequestRouter):
     """Ray Serve's power of two choices; pick-only, the shorter queue of the two sampled replicas."""
-
-
-class RayPrefixRouter(_PickOnlyShortestQueue, PrefixCacheAffinityRouter):
-    """Ray Serve LLM's PrefixCacheAffinityRouter; pick-only, the shortest queue of its choice, then booked."""
-
-    def _on_picked(self, pending_request: PendingRequest, replica: RunningReplica) -> None:
-        # Inserts the prompt's text into Ray's prefix tree for this replica (no result: unused there).
-        self.on_request_routed(pending_request, replica.replica_id, None)
