@@ -43,10 +43,12 @@ def test_salted_tenants_never_share_cached_blocks_and_each_keeps_its_affinity(ht
     # request may reuse them, wherever the router sends it.
     assert _ask(http, cluster.model_name, prefix, "warm", cache_salt="tenant-b")[1] == 0
     assert _ask(http, cluster.model_name, prefix, "warm")[1] == 0
+    served = []  # (salt, replica, cached tokens) per request: a failure names where each one went
     for i in range(3):
         for salt in ("tenant-a", "tenant-b"):
-            _, cached = _ask(http, cluster.model_name, prefix, f"q{i}", cache_salt=salt)
-            assert cached >= 1024, f"{salt} request {i} prefilled cold ({cached} cached tokens)"
+            replica, cached = _ask(http, cluster.model_name, prefix, f"q{i}", cache_salt=salt)
+            served.append((salt, replica, cached))
+            assert cached >= 1024, f"{salt} request {i} prefilled cold: {served}"
 
 
 def test_groups_with_distinct_prefixes_split_and_keep_affinity(http, cluster):
