@@ -147,11 +147,12 @@ class FleetView:
         """One snapshot per (replica id, this router's in-flight count or None), in that order."""
         out = []
         cache, picks = self._snapshots, self._picks.picks
-        for rid, ongoing in in_flight:
-            ongoing = max(ongoing or 0, picks.get(rid, 0))
+        for rid, confirmed in in_flight:
+            confirmed = confirmed or 0
+            ongoing = max(confirmed, picks.get(rid, 0))
             snap = cache.get(rid)
-            if snap is None or snap.num_ongoing_requests != ongoing:
+            if snap is None or snap.num_ongoing_requests != ongoing or snap.confirmed_ongoing_requests != confirmed:
                 running, waiting, kv_usage, pending = self._reported.get(rid, (0, 0, 0.0, 0))
-                snap = cache[rid] = ReplicaSnapshot(rid, ongoing, running, waiting, kv_usage, pending)
+                snap = cache[rid] = ReplicaSnapshot(rid, ongoing, running, waiting, kv_usage, pending, confirmed)
             out.append(snap)
         return out

@@ -19,8 +19,11 @@ Algorithm, one decision:
                  over(r) = work(r) > limit
                            or (r.kv_usage_perc >= kv_usage_guard_perc and r holds < half the prompt)
     group        g = hash of the request's first replication_key_tokens (whole blocks)
-    replicate    demand(g) = share(g) × Σ load        (share: g's decayed share of requests)
-                 k = ceil(demand(g) / (replication_fill × limit)), 1 ≤ k ≤ replication_max_replicas, N
+    replicate    demand(g) = share(g) × Σ known(r)    (share: g's decayed share of requests;
+                                                       known: load(r) without direct mode's
+                                                       pick-only picks since the last report)
+                 k = ceil(demand(g) / (replication_fill × limit')), 1 ≤ k ≤ replication_max_replicas, N
+                 (limit': the request limit above, of the known loads)
                  if k ≥ 2: set(g) = the top k replicas by rendezvous weight of g
                            credit = min(blocks the request shares with g's shared prefix,
                                         the longest match any candidate has)
@@ -224,8 +227,7 @@ def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshot
     group = group_key(request_hashes, key_blocks_for(tunables.replication_key_tokens, block_size))
     members, credit, k = _NOT_HOT
     if group is not None and demand is not None:
-        members, credit, k = _replica_set(group, request_hashes, ids, best_blocks, demand, total_load, limit,
-                                          tunables)
+        members, credit, k = _replica_set(group, request_hashes, ids, best_blocks, demand, snapshots, tunables)
 
     # sticky
     sticky = sessions.last_replica(session_key, now_s) if sessions is not None and session_key is not None else None
@@ -338,12 +340,15 @@ def _break_tie_for_first(tied: list[int], ids: list[str], blocks_of: list[int], 
 
 
 def _replica_set(group: BlockHash, request_hashes: Sequence[BlockHash], ids: list[str], best_blocks: int,
-                 demand: PrefixDemand, total_load: float, limit: float,
+                 demand: PrefixDemand, snapshots: Sequence[ReplicaSnapshot],
                  tunables: RoutingConfig) -> tuple[frozenset[str], int, int]:
     """(the hot group's replica set, the blocks credited on it, k), or nobody/0/1 if the group is not hot."""
     share = demand.share(group)
     if share == 0.0:
         return _NOT_HOT
+    # Demand and capacity from the requests known to be in flight (no pick-only guesses).
+    total_load = sum(s.num_confirmed_requests for s in snapshots)
+    limit = tunables.load_guard_factor * (total_load / len(snapshots)) + tunables.load_guard_slack
     k = replica_count(share * total_load, tunables.replication_fill * limit, tunables.replication_max_replicas,
                       len(ids))
     if k < 2:

@@ -72,13 +72,26 @@ class ReplicaSnapshot:
     # Prompt tokens accepted but not yet prefilled (the engine's last report): on
     # shared-prefix loads a queued request costs ~100 or ~6,000 tokens.
     pending_prefill_tokens: int = 0
+    # The part of num_ongoing_requests known to be in flight; None: all of it. In direct mode
+    # the router's count is its pick-only choices since the engine's last report, and it
+    # cannot see them finish: 0 of them is known (FleetView passes Ray's own count, 0 there).
+    confirmed_ongoing_requests: int | None = None
     # Requests ahead of a new one: whichever of the two views counts more. A field computed
     # once, not a property: the policy reads it for every replica of every decision.
     num_queued_requests: int = field(init=False)
+    # The same without pick-only guesses: what hot-prefix replication sizes demand with. A
+    # burst between reports must steer picks (num_queued_requests), but requests that already
+    # finished must not make a group look hot: on sequential requests at a few per second,
+    # picks counted until the next report doubled the load and replicated a one-tenant prefix
+    # onto a cold replica (tests/integration/test_routing.py, salted tenants).
+    num_confirmed_requests: int = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "num_queued_requests",
-                           max(self.num_ongoing_requests, self.num_running + self.num_waiting))
+        reported = self.num_running + self.num_waiting
+        object.__setattr__(self, "num_queued_requests", max(self.num_ongoing_requests, reported))
+        confirmed = self.num_ongoing_requests if self.confirmed_ongoing_requests is None \
+            else self.confirmed_ongoing_requests
+        object.__setattr__(self, "num_confirmed_requests", max(confirmed, reported))
 
 
 def pack_hashes(hashes: Iterable[BlockHash]) -> bytes:

@@ -52,7 +52,9 @@ def test_pick_only_choices_count_as_load_until_the_next_report():
     view.book_pick("a")
     view.book_pick("a")
     assert view.snapshots([("a", None)])[0].num_ongoing_requests == 2
+    assert view.snapshots([("a", None)])[0].num_confirmed_requests == 0  # guesses: replication does not count them
     assert view.snapshots([("a", 5)])[0].num_ongoing_requests == 5  # Ray's own count when it is larger
+    assert view.snapshots([("a", 5)])[0].num_confirmed_requests == 5
     view.sync({"a": stats(1)})  # the same report again: still counted
     assert view.snapshots([("a", None)])[0].num_ongoing_requests == 2
     view.sync({"a": stats(2)})

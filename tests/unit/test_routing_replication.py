@@ -13,6 +13,7 @@ from kvtide.deployments.routing import rendezvous
 from kvtide.deployments.routing.block_hash import block_hashes
 from kvtide.deployments.routing.policy import rank_replicas
 from kvtide.deployments.routing.prefix_index import PrefixIndex
+from kvtide.deployments.routing.snapshot import ReplicaSnapshot
 from kvtide.deployments.routing.replication import (MAX_SHARED_BLOCKS, PrefixDemand, common_prefix_blocks, group_key,
                                                      key_blocks_for, replica_count)
 
@@ -256,3 +257,18 @@ def test_replication_disabled_with_max_replicas_one():
     loads = {rid: 4 for rid in IDS} | {holder: 6}
     d = decide(loads, index_with(**{holder: 64}), demand_with(1.0), tunables=RoutingConfig(replication_max_replicas=1))
     assert d.prefix_replicas == 1 and d.ranked[0] == holder
+
+
+def test_pick_only_guesses_do_not_make_a_group_hot():
+    """Direct mode's picks since the last report steer load, but only requests known in flight size a group's demand."""
+    demand, index = demand_with(0.9), index_with(r0=64)
+
+    def k_of(fleet):
+        return rank_replicas(PROMPT, BS, fleet, index, TUNE, random.Random(0), now_s=0.0, demand=demand).prefix_replicas
+
+    picks_only = [ReplicaSnapshot(rid, 6, confirmed_ongoing_requests=0) for rid in IDS]  # 6 picks each, may be done
+    assert k_of(picks_only) == 1
+    assert k_of([ReplicaSnapshot(rid, 6) for rid in IDS]) == len(IDS)  # the same load known in flight (ingress mode)
+    reported = [ReplicaSnapshot(rid, 6, num_running=6, confirmed_ongoing_requests=0) for rid in IDS]
+    assert k_of(reported) == len(IDS)  # ... or reported running by the engines
+
