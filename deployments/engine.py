@@ -120,11 +120,18 @@ class EngineReplica:
 
         phases = start_phases(psutil.Process().create_time(), constructor_s, imported_s, engine_s, warm_s)
         logger.info("replica %s start-up: %s", self.replica_id, describe(phases))
-        gauge = metrics.Gauge("kvtide_engine_start_phase_seconds",
-                              "Seconds this engine replica's start-up spent per phase (process, import, engine, "
-                              "warm_start).", tag_keys=("model", "phase"))
-        for phase, seconds in phases.items():
-            gauge.set(seconds, {"model": self.config.model_name, "phase": phase})
+        self._start_gauge = metrics.Gauge("kvtide_engine_start_phase_seconds",
+                                          "Seconds this engine replica's start-up spent per phase (process, import, "
+                                          "engine, warm_start).", tag_keys=("model", "phase"))
+        self._start_phases = phases
+        self._set_start_phases()
+
+    def _set_start_phases(self) -> None:
+        # Set again with the other gauges (_refresh_gauges): Ray's metrics agent drops a gauge
+        # that is not set for a while, and a fleet that started an hour ago showed "No data" in
+        # the start-up panel (the real-Prometheus test failed whenever no replica had started lately).
+        for phase, seconds in self._start_phases.items():
+            self._start_gauge.set(seconds, {"model": self.config.model_name, "phase": phase})
 
     async def _refresh_gauges(self) -> None:
         from kvtide.deployments.engine_stats import refresh_gauges
@@ -132,6 +139,7 @@ class EngineReplica:
         while True:
             try:
                 refresh_gauges(self.prometheus_loggers, self.load)
+                self._set_start_phases()
             except Exception as exc:  # metrics must never take the replica down
                 logger.warning("refreshing vLLM's gauges failed: %s", type(exc).__name__)
             await asyncio.sleep(GAUGE_REFRESH_S)
