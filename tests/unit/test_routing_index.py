@@ -185,8 +185,8 @@ def test_match_equals_a_naive_walk_on_random_indexes():
 def _consistent(index: PrefixIndex, rid: str) -> bool:
     """Both directions of the holder relation agree for `rid`."""
     held = index._engine_blocks.get(rid, set())
-    return (all(rid in index._engine[h] for h in held)
-            and all(h in held for h, holders in index._engine.items() if rid in holders))
+    return (all(rid in index.engine_holders(h) for h in held)
+            and all(h in held for h in index._engine if rid in index.engine_holders(h)))
 
 
 def test_a_digest_applied_in_slices_ends_where_applying_it_at_once_does():
