@@ -24,8 +24,8 @@ on the same event loop, so the index is never read mid-slice.
 Pick-only calls (direct mode's routing peer asks `choose_replica(RoutingKey, _reserve=False)`)
 never reach `on_request_routed`, and Ray's queue-length cache stays empty for them, so the
 router books such a pick itself: the router state gets the request's blocks and session, and
-the replica's load counts the picks made since its last stats report (the report's numbers
-include them from then on).
+the replica's load counts the picks made since its last stats report, each with the prompt
+tokens it must prefill there (the report's numbers include them from then on).
 
 A request's session key (multi-turn affinity) is its `session_key` attribute when it has
 one (`RoutingKey.session_key`; None or absent: no session).
@@ -188,7 +188,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         if decision.ranked and is_pick_only(pending_request):
             # Ray takes the first replica of a pick-only ranking and tells the router nothing more.
             picked = decision.ranked[0]
-            self._fleet.book_pick(picked)
+            self._fleet.book_pick(picked, len(hashes) * self._state.block_size - decision.matched_tokens)
             self._state.on_routed(picked, hashes, now_s, session_key)
         return [[by_id[rid]] for rid in decision.ranked]
 

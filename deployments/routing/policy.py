@@ -11,7 +11,8 @@ Algorithm, one decision:
     candidates   one entry per snapshot (replicas the router may use right now)
     match        index.match(hashes): longest cached prefix per replica, in blocks
     guard        load(r) = r.num_queued_requests
-                 pend(r) = r.pending_prefill_tokens  (prompt tokens accepted, not yet prefilled)
+                 pend(r) = r.pending_prefill_tokens  (prompt tokens accepted, not yet prefilled;
+                                                      + the router's picks since the report)
                  work(r) = pend(r) + tokens_per_queued_request × load(r)           (tokens)
                  limit   = load_guard_factor × mean(work)
                            + load_guard_slack × tokens_per_queued_request + the prompt's tokens
@@ -51,11 +52,14 @@ cost and guard moved requests off the replica holding their prefix as queues gre
 move a cold prefill that evicted another group there: the hit rate fell from 0.75 to
 0.15 as the load rose, against an oracle of 0.79-0.94. A queued hit costs ~100 tokens, a
 queued miss thousands; engines report the uncached tokens they have yet to prefill
-(`deployments.pending_prefill`). The router does not add what it sent since the last
-report: it cannot see a request's prefill end, and on a sequential load that booking
-counted finished prefills as pending and sent a cached prefix elsewhere (the router's
-own in-flight count covers a burst between reports). Engines that report none (pend = 0
-everywhere) give exactly the count-only guard.
+(`deployments.pending_prefill`). Between reports (~1 s) a pick-only router adds its own
+picks (`FleetView.book_pick`): each is one queued request, and its uncached prompt tokens
+beyond one queued request's worth are pending prefill, until the next report includes
+them. The router cannot see a prefill end, so a booking may outlive it by up to a period;
+counting the larger of the two (not their sum) keeps a short cold prompt from costing its
+replica the next request of the same prefix, and with uncached_weight 2 a long one never
+does (its holder's booked N tokens against 2N elsewhere). Engines that report none and
+no booking (pend = 0 everywhere) give exactly the count-only guard.
 
 Consequences, each pinned by a unit test:
 - Affinity never overrides the load guard: a replica holding the whole prefix (or

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from kvtide.config import RoutingConfig
 from kvtide.deployments.routing.block_hash import block_hashes
 from kvtide.deployments.routing.fleet import FleetView, rekey
@@ -68,6 +70,21 @@ def test_pending_prefill_comes_from_the_latest_report():
     assert view.snapshots([("a", 0)])[0].pending_prefill_tokens == 500
     view.sync({"a": stats(2, pending_prefill_tokens=6100)})
     assert view.snapshots([("a", 0)])[0].pending_prefill_tokens == 6100
+
+
+def test_pick_only_choices_book_their_uncached_prefill_until_the_next_report():
+    """A pick books the prompt tokens it must prefill beyond one queued request's worth, as pending, until a new report."""
+    view = fleet()
+    per_request = view.state.tunables.tokens_per_queued_request
+    view.sync({"a": stats(1, pending_prefill_tokens=100)})
+    before = view.snapshots([("a", None)])[0]
+    view.book_pick("a", 6000)  # a cold 6,000-token prompt
+    view.book_pick("a", 64)  # a hit: one queued request's worth, no more
+    snap = view.snapshots([("a", None)])[0]
+    assert snap is not before
+    assert (snap.pending_prefill_tokens, snap.num_ongoing_requests) == (100 + 6000 - per_request, 2)
+    view.sync({"a": stats(2, pending_prefill_tokens=5000)})  # the engine's numbers include them now
+    assert view.snapshots([("a", None)])[0].pending_prefill_tokens == 5000
 
 
 def test_replicas_no_longer_listed_are_forgotten():
@@ -147,3 +164,31 @@ def test_forgetting_a_replica_mid_slice_leaves_nothing_of_it():
     while view.apply_digests(3):
         pass
     assert view.state.index.match(PROMPT, 0.0) == {"b": 8} and view.state.index.held_by("a") == frozenset()
+
+
+def _pick_only(view: FleetView, hashes, now_s: float = 0.0) -> str:
+    """What the router does for a pick-only call: rank, then book the pick (load, prefill, history)."""
+    decision = view.state.rank(hashes, view.snapshots([("a", None), ("b", None)]), random.Random(0), now_s=now_s)
+    picked = decision.ranked[0]
+    view.book_pick(picked, len(hashes) * BS - decision.matched_tokens)
+    view.state.on_routed(picked, hashes, now_s)
+    return picked
+
+
+def test_a_second_new_prefix_within_a_report_period_avoids_the_prefill_just_sent():
+    """Two cold 6k prompts between reports: the second goes to the replica with cheap queued hits, not behind the first."""
+    view = fleet()
+    view.sync({"a": stats(1, (), num_running=3), "b": stats(1, (), engine_id="engine-b")})
+    first = block_hashes([1] + list(range(6000)), BS)
+    second = block_hashes([2] + list(range(6000)), BS)
+    assert _pick_only(view, first) == "b"  # idle
+    assert _pick_only(view, second) == "a"  # 3 queued hits (768 tokens) < b's 6,000 pending
+
+
+def test_a_short_cold_prompt_keeps_its_next_request_before_the_report():
+    """A 200-token prompt just sent books no more than one queued request: the same prefix follows it there."""
+    view = fleet()
+    view.sync({"a": stats(1, ()), "b": stats(1, (), engine_id="engine-b")})
+    prompt = block_hashes(list(range(200)), BS)
+    first = _pick_only(view, prompt)
+    assert _pick_only(view, prompt) == first
