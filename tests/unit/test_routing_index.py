@@ -182,6 +182,49 @@ def test_match_equals_a_naive_walk_on_random_indexes():
         assert index.match(long_prompt, now_s) == _naive_match(engine, routed, long_prompt, now_s), trial
 
 
+def test_routing_history_equals_a_naive_reference_through_refreshes_expiry_and_removals():
+    """Repeated bookings (refreshes), pruning, digests that clear, and removals whose bits are reused
+    by new replicas: match and holders agree with a plain per-replica {block: latest expiry} at
+    every step. Bookings on whole seconds, lookups half a second later, so the pruning lookahead
+    (which may drop an entry up to EXPIRY_LOOKAHEAD_S early) never reaches a live entry."""
+    rng = random.Random(11)
+    prompts = [block_hashes([p * 1000 + i for i in range(24 * BS)], BS) for p in range(3)]
+    for trial in range(60):
+        index = PrefixIndex(history_ttl_s=TTL_S)
+        engine: dict[str, set] = {}
+        routed: dict[str, dict] = {}
+        seqs: dict[str, int] = {}
+        names = iter(f"r{i}" for i in range(1000))
+        live = [next(names) for _ in range(4)]
+        now_s = 0.0
+        for _ in range(40):
+            now_s += rng.choice((0.0, 1.0, 1.0, 3.0))
+            action = rng.random()
+            rid = rng.choice(live)
+            if action < 0.6:
+                blocks = rng.choice(prompts)[: rng.randrange(25)]
+                index.on_routed(rid, blocks, now_s)
+                routed.setdefault(rid, {}).update((h, now_s + TTL_S) for h in blocks)
+            elif action < 0.8:
+                held = {h for h in rng.choice(prompts)[: rng.randrange(25)] if rng.random() > 0.1}
+                seqs[rid] = seqs.get(rid, 0) + 1
+                cleared = rng.random() < 0.3
+                assert index.apply_digest(digest(rid, held, seqs[rid], all_cleared=cleared))
+                engine[rid] = held
+                if cleared:
+                    routed.pop(rid, None)
+            else:  # a replica goes away; a new one (maybe reusing its bit) takes its place
+                index.remove_replica(rid)
+                engine.pop(rid, None), routed.pop(rid, None), seqs.pop(rid, None)
+                live[live.index(rid)] = next(names)
+            at_s = now_s + 0.5
+            for prompt in prompts:
+                assert index.match(prompt, at_s) == _naive_match(engine, routed, prompt, at_s), trial
+            h = rng.choice(rng.choice(prompts))
+            expected = {r for r in live if h in engine.get(r, ()) or routed.get(r, {}).get(h, float("-inf")) > at_s}
+            assert index.holders(h, at_s) == expected, trial
+
+
 def _consistent(index: PrefixIndex, rid: str) -> bool:
     """Both directions of the holder relation agree for `rid`."""
     held = index._engine_blocks.get(rid, set())
