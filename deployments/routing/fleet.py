@@ -70,10 +70,10 @@ class FleetView:
             digest = stats.get("digest")
             if isinstance(digest, CacheDigest):
                 self._receive(rekey(digest, rid))
-            self._picks.on_report(rid, stats.get("reported_s"))
+            new_report = self._picks.on_report(rid, stats.get("reported_s"))
             reported = (int(stats.get("num_running", 0)), int(stats.get("num_waiting", 0)),
                         float(stats.get("kv_usage_perc", 0.0)), int(stats.get("pending_prefill_tokens", 0)))
-            if reported != self._reported.get(rid):
+            if new_report or reported != self._reported.get(rid):  # (a new report also drops the booked prefill)
                 self._reported[rid] = reported
                 self._snapshots.pop(rid, None)
         for gone in set(self._reported) - set(stats_by_replica):

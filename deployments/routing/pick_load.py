@@ -26,12 +26,14 @@ class PickCounts:
         self.prefill_tokens: dict[str, int] = {}  # ditto: what the picks since the report were booked with
         self._reported_s: dict[str, Any] = {}
 
-    def on_report(self, replica_id: str, reported_s: Any) -> None:
-        """A replica's stats arrived: if they are a new report, its picks are in its numbers now."""
-        if reported_s != self._reported_s.get(replica_id):
-            self._reported_s[replica_id] = reported_s
-            self.picks[replica_id] = 0
-            self.prefill_tokens[replica_id] = 0
+    def on_report(self, replica_id: str, reported_s: Any) -> bool:
+        """A replica's stats arrived: if they are a new report (True), its picks are in its numbers now."""
+        if reported_s == self._reported_s.get(replica_id):
+            return False
+        self._reported_s[replica_id] = reported_s
+        self.picks[replica_id] = 0
+        self.prefill_tokens[replica_id] = 0
+        return True
 
     def book(self, replica_id: str, prefill_tokens: int = 0) -> None:
         self.picks[replica_id] = self.picks.get(replica_id, 0) + 1

@@ -87,6 +87,17 @@ def test_pick_only_choices_book_their_uncached_prefill_until_the_next_report():
     assert view.snapshots([("a", None)])[0].pending_prefill_tokens == 5000
 
 
+def test_a_new_report_with_unchanged_numbers_still_drops_the_booked_prefill():
+    """The booking ends at the next report even when its numbers repeat the last one's and Ray's count hides the picks."""
+    view = fleet()
+    view.sync({"a": stats(1, pending_prefill_tokens=100)})
+    view.snapshots([("a", 5)])
+    view.book_pick("a", 6000)
+    assert view.snapshots([("a", 5)])[0].pending_prefill_tokens > 100
+    view.sync({"a": stats(2, pending_prefill_tokens=100)})
+    assert view.snapshots([("a", 5)])[0].pending_prefill_tokens == 100
+
+
 def test_replicas_no_longer_listed_are_forgotten():
     """A replica missing from the next list leaves the index, the session memory and the load tables."""
     view = fleet()
