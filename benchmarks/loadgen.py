@@ -84,23 +84,29 @@ async def discover_model(client: httpx.AsyncClient, base_url: str) -> str:
 
 
 def _body(request: BenchRequest, model: str, endpoint: str) -> dict:
-    # ignore_eos is a vLLM extension (bare vLLM and Ray Serve LLM honor it); servers that
-    # do not know it ignore it, and the random-weight demo model rarely emits EOS anyway.
+    # ignore_eos and return_token_ids are vLLM extensions (kvtide, bare vLLM and Ray Serve LLM
+    # honor them; servers that do not know them ignore them). ignore_eos: every request costs
+    # max_tokens. return_token_ids: a chunk for every token, text or not, so TTFT and ITL time
+    # tokens; a random-weight model's tokens mostly decode to no text (partial UTF-8), and timed
+    # by text its first "token" came a random number of tokens late (~4 text chunks per 64 tokens).
     common = {"model": model, "max_tokens": request.max_tokens, "stream": True,
-              "stream_options": {"include_usage": True}, "ignore_eos": True}
+              "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True}
     if endpoint == "chat":
         return {**common, "messages": list(request.messages)}
     return {**common, "prompt": request.as_prompt()}
 
 
-def _chunk_text(chunk: dict) -> str:
+def _chunk_has_tokens(chunk: dict) -> bool:
+    """Whether a stream chunk delivers output tokens: token ids (return_token_ids) or text."""
     choices = chunk.get("choices") or []
     if not choices:
-        return ""
+        return False
     choice = choices[0]
+    if choice.get("token_ids"):
+        return True
     if "delta" in choice:
-        return (choice["delta"] or {}).get("content") or ""
-    return choice.get("text") or ""
+        return bool((choice["delta"] or {}).get("content"))
+    return bool(choice.get("text"))
 
 
 async def send_one(client: httpx.AsyncClient, url: str, request: BenchRequest, model: str, endpoint: str,
@@ -130,7 +136,7 @@ async def send_one(client: httpx.AsyncClient, url: str, request: BenchRequest, m
                         break
                     if chunk.get("usage"):
                         usage_tokens = chunk["usage"].get("completion_tokens")
-                    if _chunk_text(chunk):
+                    if _chunk_has_tokens(chunk):
                         now = time.perf_counter()
                         if first is None:
                             first = now

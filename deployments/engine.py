@@ -215,6 +215,7 @@ class EngineReplica:
                     finish_reason=completion.finish_reason if out.finished else None,
                     engine_ttft_s=time.perf_counter() - called_s if first else None,
                     replica_id=self.replica_id,
+                    token_ids=tuple(completion.token_ids),
                 )
         except (asyncio.CancelledError, GeneratorExit):
             # The caller went away (client disconnect, deadline, handle cancel) or closed the

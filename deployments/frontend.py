@@ -200,7 +200,7 @@ class OpenAIFrontend:
             self._on_first_token(timing, first)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            renderer = ChunkRenderer(endpoint, rid, self.model_name, now_s(), include_usage)
+            renderer = ChunkRenderer(endpoint, rid, self.model_name, now_s(), include_usage, req.return_token_ids)
             body = self._stream(renderer, gen_req, stream, deadline, ticket, timing, tags, prediction)
             # The body releases the gate when it ends; should the server drop the response
             # without iterating it (the client left first), collection releases it instead.
@@ -209,7 +209,8 @@ class OpenAIFrontend:
             if first is not None:
                 headers["x-kvtide-replica"] = first.replica_id
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-        return await self._complete(endpoint, rid, prompt, stream, deadline, timing, tags, prediction)
+        return await self._complete(endpoint, rid, prompt, stream, deadline, timing, tags, prediction,
+                                    return_token_ids=req.return_token_ids)
 
     def _on_first_token(self, timing: _Timing, first: GenerateDelta) -> None:
         timing.first_token_s = time.perf_counter()
@@ -219,16 +220,19 @@ class OpenAIFrontend:
                                     engine_s=engine_s, transport_s=to_first_delta_s - engine_s)
 
     async def _complete(self, endpoint: str, rid: str, prompt: Prompt, stream: EngineStream, deadline: Deadline,
-                        timing: _Timing, tags: dict[str, str], prediction: Prediction | None = None) -> JSONResponse:
+                        timing: _Timing, tags: dict[str, str], prediction: Prediction | None = None,
+                        return_token_ids: bool = False) -> JSONResponse:
         """A non-streamed response: collect every delta, then answer once."""
         first = stream.first
         text, last = ([first.text], first) if first is not None else ([], None)
+        token_ids: list[int] = list(first.token_ids) if first is not None else []
         try:
             while last is not None and last.finish_reason is None:
                 delta = await stream.next(deadline)
                 if timing.first_token_s is None and delta.num_output_tokens:
                     self._on_first_token(timing, delta)
                 text.append(delta.text)
+                token_ids.extend(delta.token_ids)
                 last = delta
         except StopAsyncIteration:
             pass
@@ -256,7 +260,8 @@ class OpenAIFrontend:
         finish = last.finish_reason if last else None
         headers = {"x-kvtide-replica": last.replica_id} if last else None
         render = chat_response if endpoint == "chat" else completion_response
-        return JSONResponse(render(rid, self.model_name, created, full, finish, usage), headers=headers)
+        body = render(rid, self.model_name, created, full, finish, usage, token_ids if return_token_ids else None)
+        return JSONResponse(body, headers=headers)
 
     async def _stream(self, renderer: ChunkRenderer, gen_req: GenerateRequest, stream: EngineStream,
                       deadline: Deadline, ticket: _Ticket, timing: _Timing,

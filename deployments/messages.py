@@ -79,3 +79,5 @@ class GenerateDelta:
     engine_ttft_s: float | None = None
     # Which engine replica served it (surfaced as the x-kvtide-replica response header).
     replica_id: str = ""
+    # The output token ids of this step (the client's `return_token_ids`).
+    token_ids: tuple[int, ...] = ()

@@ -84,6 +84,10 @@ class _SamplingFields(BaseModel):
     # vLLM's extension: prefix-cache isolation. Requests share cached KV blocks (and the
     # router matches them) only with requests of the same salt; typically one per tenant.
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # vLLM's extension: each choice (and each stream chunk) carries its output token ids, and a
+    # stream sends a chunk for every engine step that produced tokens, text or not. Clients that
+    # time tokens need it: a token can decode to no text yet (part of a multi-byte character).
+    return_token_ids: bool = False
 
     @field_validator("n")
     @classmethod
@@ -178,18 +182,20 @@ def now_s() -> int:
     return int(time.time())
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {
-        "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None,
+                     token_ids: list[int] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-    return {
-        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish_reason: str | None,
+               token_ids: list[int] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, usage: Usage) -> dict[str, Any]:
@@ -197,22 +203,20 @@ def usage_chunk(rid: str, model: str, created: int, obj: str, usage: Usage) -> d
 
 
 def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                        usage: Usage) -> dict[str, Any]:
-    body = completion_chunk(rid, model, created, text, finish_reason)
+                        usage: Usage, token_ids: list[int] | None = None) -> dict[str, Any]:
+    body = completion_chunk(rid, model, created, text, finish_reason, token_ids)
     body["usage"] = usage.as_dict()
     return body
 
 
 def chat_response(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                  usage: Usage) -> dict[str, Any]:
-    return {
-        "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": text},
-            "logprobs": None, "finish_reason": finish_reason,
-        }],
-        "usage": usage.as_dict(),
-    }
+                  usage: Usage, token_ids: list[int] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                              "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
+            "usage": usage.as_dict()}
 
 
 def validation_error_to_api(errors: list[dict[str, Any]]) -> ApiError:

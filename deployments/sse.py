@@ -30,18 +30,20 @@ def error_event(message: str, code: str) -> bytes:
 class ChunkRenderer:
     """The events of one streamed response (its id, model and creation time fixed)."""
 
-    def __init__(self, endpoint: str, request_id: str, model_name: str, created_s: int, include_usage: bool):
+    def __init__(self, endpoint: str, request_id: str, model_name: str, created_s: int, include_usage: bool,
+                 return_token_ids: bool = False):
         self.endpoint = endpoint
         self.request_id = request_id
         self.model_name = model_name
         self.created_s = created_s
         self.include_usage = include_usage
+        self.return_token_ids = return_token_ids
 
-    def _chunk(self, body: Any, finish: str | None) -> dict[str, Any]:
+    def _chunk(self, body: Any, finish: str | None, token_ids: list[int] | None = None) -> dict[str, Any]:
         if self.endpoint == "chat":
-            chunk = chat_chunk(self.request_id, self.model_name, self.created_s, body, finish)
+            chunk = chat_chunk(self.request_id, self.model_name, self.created_s, body, finish, token_ids)
         else:
-            chunk = completion_chunk(self.request_id, self.model_name, self.created_s, body, finish)
+            chunk = completion_chunk(self.request_id, self.model_name, self.created_s, body, finish, token_ids)
         if self.include_usage:
             chunk["usage"] = None  # OpenAI: null on every chunk but the last
         return chunk
@@ -53,14 +55,19 @@ class ChunkRenderer:
         return sse(self._chunk({"role": "assistant", "content": ""}, None))
 
     def delta(self, delta: GenerateDelta) -> bytes | None:
-        """The event of one engine delta, or None when it carries neither text nor a finish."""
-        if not (delta.text or delta.finish_reason):
+        """The event of one engine delta, or None when it carries neither text nor a finish.
+
+        With `return_token_ids` a delta whose tokens decoded to no text yet is still sent (as
+        vLLM does), so the client sees every token when it is generated.
+        """
+        token_ids = list(delta.token_ids) if self.return_token_ids else None
+        if not (delta.text or delta.finish_reason or token_ids):
             return None
         if self.endpoint == "chat":
             body: Any = {"content": delta.text} if delta.text else {}
         else:
             body = delta.text
-        return sse(self._chunk(body, delta.finish_reason))
+        return sse(self._chunk(body, delta.finish_reason, token_ids))
 
     def closing(self, usage: Usage) -> bytes:
         """The usage chunk (when asked for) and [DONE]."""

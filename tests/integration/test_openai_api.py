@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import openai
 import pytest
@@ -81,6 +82,22 @@ def test_completion_stream_ends_with_done(cluster, http):
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"
     assert len(events) >= 2
+
+
+def test_return_token_ids_carries_every_output_token_of_the_real_engine(cluster, http):
+    """With vLLM's return_token_ids a stream's chunks carry all max_tokens output ids (textless ones too), as does a non-streamed reply."""
+    body = {"model": cluster.model_name, "prompt": "def f(x):", "max_tokens": 12, "ignore_eos": True,
+            "return_token_ids": True}
+    whole = http.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    assert len(whole.json()["choices"][0]["token_ids"]) == 12
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200
+        events = [line[len("data: "):] for line in resp.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    choices = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert all(c["token_ids"] for c in choices)
+    assert sum(len(c["token_ids"]) for c in choices) == 12
 
 
 def test_stop_sequence_ends_generation(client, cluster):

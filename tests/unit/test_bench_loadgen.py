@@ -57,6 +57,16 @@ def test_stream_with_usage_is_timed_and_counted():
     assert r.ok and r.num_output_tokens == 3 and len(r.itl_s) == 2 and r.ttft_s is not None
 
 
+def test_textless_tokens_are_timed_by_their_token_ids():
+    """A chunk whose token decoded to no text still counts as a token when it carries token_ids (return_token_ids)."""
+    body = _sse({"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+                {"choices": [{"delta": {}, "token_ids": [7]}]}, {"choices": [{"delta": {}, "token_ids": [8]}]},
+                {"choices": [{"delta": {"content": "x"}, "token_ids": [9]}]},
+                {"choices": [], "usage": {"completion_tokens": 3}}, "[DONE]")
+    r = _send(lambda request: httpx.Response(200, content=body))
+    assert r.ok and r.ttft_s is not None and len(r.itl_s) == 2 and r.num_output_tokens == 3
+
+
 def test_http_error_is_a_failed_result():
     """A 4xx/5xx becomes a failed result carrying the status, never an exception."""
     r = _send(lambda request: httpx.Response(503, json={"error": {"message": "busy"}}))
@@ -70,7 +80,7 @@ def test_stream_error_event_is_a_failed_result():
 
 
 def test_request_body_is_openai_chat_with_max_tokens():
-    """The body is an OpenAI streaming chat request with the workload's max_tokens."""
+    """The body is an OpenAI streaming chat request with the workload's max_tokens, asking for token ids (to time tokens, not text)."""
     seen = {}
 
     def handler(request):
@@ -80,6 +90,7 @@ def test_request_body_is_openai_chat_with_max_tokens():
     _send(handler)
     assert seen["model"] == "m" and seen["max_tokens"] == 3 and seen["stream"] is True
     assert seen["messages"] == [{"role": "user", "content": "hi"}]
+    assert seen["return_token_ids"] is True and seen["ignore_eos"] is True
 
 
 def test_requests_in_flight_at_the_drain_bound_are_cut_as_errors():

@@ -131,6 +131,50 @@ def test_chat_stream_is_role_content_finish_usage_done():
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
 
 
+def _silent_token_engine() -> LocalEngineClient:
+    """Three engine steps whose middle token decodes to no text yet (half of a multi-byte character)."""
+    texts = ["a", "", "b"]
+
+    async def generate(request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        for i, text in enumerate(texts):
+            yield GenerateDelta(text=text, num_output_tokens=i + 1, num_prompt_tokens=3, token_ids=(100 + i,),
+                                finish_reason="length" if i == len(texts) - 1 else None, replica_id="r1")
+
+    return LocalEngineClient(generate, admission_limits(CONFIG))
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_return_token_ids_streams_a_chunk_for_every_token_even_without_text(endpoint):
+    """vLLM's return_token_ids: every engine step is a chunk with its token ids (a textless token too); without it, textless steps are not sent."""
+    client, _ = _app(engine=_silent_token_engine())
+    path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}) if endpoint == "chat"
+                  else ("/v1/completions", {"prompt": "hi"}))
+
+    def choices(extra: dict) -> list[dict]:
+        resp = client.post(path, json={"model": "m", "max_tokens": 3, "stream": True, **body, **extra})
+        events = [line[len("data: "):] for line in resp.text.splitlines() if line]
+        assert resp.status_code == 200 and events[-1] == "[DONE]", resp.text
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        return [c for c in chunks if c.get("delta", {}).get("role") is None]
+
+    with_ids = choices({"return_token_ids": True})
+    assert [c["token_ids"] for c in with_ids] == [[100], [101], [102]]
+    assert with_ids[-1]["finish_reason"] == "length"
+    plain = choices({})
+    assert len(plain) == 2 and all("token_ids" not in c for c in plain)
+
+
+def test_return_token_ids_in_a_non_streamed_response():
+    """A non-streamed completion with return_token_ids carries every output token id on its choice; without it, none."""
+    client, _ = _app(engine=_silent_token_engine())
+    resp = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 3, "return_token_ids": True})
+    assert resp.status_code == 200 and resp.json()["choices"][0]["token_ids"] == [100, 101, 102]
+    assert resp.json()["choices"][0]["text"] == "ab"
+    plain = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                      "max_tokens": 3})
+    assert plain.status_code == 200 and "token_ids" not in plain.json()["choices"][0]
+
+
 @pytest.mark.parametrize(("body", "status", "code"), [
     ({"model": "other", "prompt": "x"}, 404, "model_not_found"),
     ({"model": "m", "prompt": "x" * 70}, 400, "context_length_exceeded"),
