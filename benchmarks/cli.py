@@ -49,7 +49,7 @@ import shlex
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
 
@@ -200,9 +200,59 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "the report shows the median repeat and the spread")
     cmp_p.add_argument("--out", required=True, help="output directory")
     cmp_p.add_argument("--hardware", help="what it ran on, for the report (e.g. '2 × NVIDIA H200')")
+    cmp_p.add_argument("--workload-set", dest="workload_sets", action="append", default=[],
+                       metavar="WORKLOAD.KEY=VALUE",
+                       help="a setting for one workload of --workload only, over the shared flags: a parameter "
+                            "(e.g. multi-turn.system_prompt_len=1024), its rates (multi-turn.rate=16 or 8,16) or "
+                            "its duration (multi-turn.duration=30); repeatable. Several workloads then run on "
+                            "one cluster start per policy")
     _add_workload_flags(cmp_p, sweep=True)
     _add_load_flags(cmp_p, sweep=True)
     cmp_p.set_defaults(func=cmd_compare)
+
+
+# ---- per-workload settings (compare) ---------------------------------------------------------
+
+def per_workload_args(args: argparse.Namespace) -> dict[str, argparse.Namespace]:
+    """{workload: the flags it runs with}: the shared flags, then its own --workload-set entries.
+
+    A key is a field of the workload's parameters (named like its flag: system_prompt_len),
+    `rate` (a list like --rate's) or `duration`. Raises ValueError naming a bad entry.
+    """
+    overrides: dict[str, dict[str, Any]] = {name: {} for name in args.workload}
+    for entry in getattr(args, "workload_sets", None) or []:
+        target, sep, value = entry.partition("=")
+        name, dot, key = target.rpartition(".")
+        if not (sep and dot and name and key and value):
+            raise ValueError(f"--workload-set {entry!r}: expected WORKLOAD.KEY=VALUE")
+        if name not in overrides:
+            raise ValueError(f"--workload-set {entry!r}: {name!r} is not one of --workload ({', '.join(args.workload)})")
+        overrides[name][key] = _workload_value(name, key, value, entry)
+    return {name: argparse.Namespace(**{**vars(args), **own}) for name, own in overrides.items()}
+
+
+def _workload_value(name: str, key: str, value: str, entry: str) -> Any:
+    if key == "rate":
+        try:
+            return _numbers(float)(value)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"--workload-set {entry!r}: {exc}") from None
+    if key == "duration":
+        kind: type = float
+    else:
+        defaults = {f.name: f.default for f in fields(WORKLOAD_PARAMS[name])}
+        if key not in defaults:
+            raise ValueError(f"--workload-set {entry!r}: {name} has no {key!r}; it takes "
+                             f"{', '.join(sorted(defaults))}, rate, duration")
+        kind = type(defaults[key])
+    try:
+        parsed = kind(value)
+    except ValueError:
+        raise ValueError(f"--workload-set {entry!r}: {value!r} is not {'a whole number' if kind is int else 'a number'}"
+                         ) from None
+    if parsed < 0 or (parsed == 0 and key != "zipf_s"):
+        raise ValueError(f"--workload-set {entry!r}: must be positive")
+    return parsed
 
 
 # ---- shared steps -----------------------------------------------------------------------------
@@ -424,9 +474,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print("kvtide bench compare: --policies is empty; give e.g. bare,pow2,prefix_aware", file=sys.stderr)
         return 2
     stop_servers_on_sigterm()  # a stopped run must not leave servers behind
+    try:
+        workload_args = per_workload_args(args)
+    except ValueError as exc:
+        print(f"kvtide bench compare: {exc}", file=sys.stderr)
+        return 2
     config_path = args.config or default_config_path()
     configs = {p: policy_config(config_path, args.overrides, p) for p in policies}
-    points = [(name, level) for name in args.workload for level in loads_from_args(args)]
+    points = [(name, level) for name in args.workload for level in loads_from_args(workload_args[name])]
     sweep = len(points) > 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -438,8 +493,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     notes: list[str] = []
     failed: list[str] = []
     for repeat in range(args.repeats):
-        workloads = [workload_from_args(args, name, seed_offset=point_seed_offset(name, level) + REPEAT_SEED_STRIDE
-                                        * repeat) for name, level in points]
+        workloads = [workload_from_args(workload_args[name], name,
+                                        seed_offset=point_seed_offset(name, level) + REPEAT_SEED_STRIDE * repeat)
+                     for name, level in points]
         for policy in repeat_order(list(configs), repeat):
             if policy in failed:
                 continue
@@ -448,9 +504,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
             try:
                 with serving(policy, configs[policy], out, args) as target:
                     for i, ((name, level), workload) in enumerate(zip(points, workloads)):
-                        report, load = asyncio.run(bench_once(target.base_url, target.metrics, workload, policy, args,
-                                                              target.model_name, level, args.warmup if i == 0 else 0,
-                                                              target.num_replicas))
+                        report, load = asyncio.run(bench_once(target.base_url, target.metrics, workload, policy,
+                                                              workload_args[name], target.model_name, level,
+                                                              args.warmup if i == 0 else 0, target.num_replicas))
                         label = f"{name} @ {level.label}"
                         runs.setdefault(label, {}).setdefault(policy, []).append({**report, "repeat": repeat})
                         results.setdefault(label, {})[policy] = aggregate_repeats(runs[label][policy])

@@ -15,6 +15,8 @@
 #   bash benchmarks/h200/run.sh routing-multiturn the same fleet on multi-turn conversations (MULTITURN_POLICIES, _RATES)
 #   bash benchmarks/h200/run.sh routing-random the same fleet on random prompts (routing must not hurt;
 #                                              RANDOM_POLICIES, RANDOM_RATES)
+#   bash benchmarks/h200/run.sh routing-all    the three loads above in one compare, one cluster start per policy
+#                                              (POLICIES, RATES for shared-prefix, MULTITURN_RATES, RANDOM_RATES)
 #   bash benchmarks/h200/run.sh autoscale      step load, replicas 1 -> 4 (AUTOSCALE_GPU_SHARE each, demo model): kv, kv-cold,
 #                                              queue_length, fixed-max -> autoscale.json, report.md, timeline.png
 #   bash benchmarks/h200/run.sh start STAGES   run the stages in order in the background (one session's
@@ -197,6 +199,15 @@ routing-random)
   build_8b; leftovers routing-random
   compare routing-random "${RANDOM_POLICIES:-pow2,prefix_aware}" random "${RANDOM_RATES:-16}" \
       --num-requests 2000 --input-len 2048 --output-len 64
+  ;;
+routing-all)  # the three routing loads on one cluster start per policy (a start of the 8B fleet is ~100 s)
+  build_8b; leftovers routing-all
+  compare routing-all "${POLICIES:-pow2,prefix_aware,ray_prefix,ray_kv,bare}" shared-prefix,multi-turn,random \
+      "${RATES:-8}" --zipf-s 0.8 --num-groups 20 --prompts-per-group 64 --system-prompt-len 6000 --question-len 128 \
+      --output-len 64 --num-users 48 --num-rounds 6 --num-requests 2000 --input-len 2048 \
+      --workload-set multi-turn.system_prompt_len=1024 --workload-set multi-turn.question_len=256 \
+      --workload-set multi-turn.rate="${MULTITURN_RATES:-16}" --workload-set multi-turn.duration="${MULTITURN_DURATION:-30}" \
+      --workload-set random.rate="${RANDOM_RATES:-8}"
   ;;
 placement)
   serve_and_snapshot tp1-x2 --set replicas.num_replicas=2

@@ -171,3 +171,53 @@ def test_repeats_rotate_the_policy_order_and_draw_new_prompts(tmp_path, monkeypa
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["prefix_aware"]["repeats"]["n"] == 3
     assert "spread over repeats" in (tmp_path / "report.md").read_text()
+
+
+def test_workload_set_gives_each_workload_its_own_params_rates_and_duration(tmp_path, monkeypatch):
+    """--workload-set overrides one workload's params, rates and duration; the others keep the shared flags; one start per policy."""
+    import contextlib
+
+    from kvtide.benchmarks import cli
+    from kvtide.benchmarks.loadgen import LoadResult
+    from kvtide.benchmarks.report import build_run_report
+
+    started, ran = [], []
+
+    @contextlib.contextmanager
+    def fake_serving(policy, config, out, args):
+        started.append(policy)
+        yield cli.Target("http://127.0.0.1:1", None, "m")
+
+    async def fake_bench_once(base_url, metrics, workload, policy, args, model=None, load_level=None, warmup=None,
+                              num_replicas=None):
+        ran.append((workload.name, load_level.label, args.duration, workload.params.system_prompt_len))
+        report = build_run_report(workload=workload.name, policy=policy, results=[], duration_s=1.0, metrics=None)
+        return report, LoadResult([], 1.0)
+
+    monkeypatch.setattr(cli, "serving", fake_serving)
+    monkeypatch.setattr(cli, "bench_once", fake_bench_once)
+    args = parse(["bench", "compare", "--policies", "pow2", "--workload", "shared-prefix,multi-turn", "--rate", "8",
+                  "--duration", "15", "--system-prompt-len", "600", "--num-groups", "2", "--prompts-per-group", "2",
+                  "--num-users", "2", "--num-rounds", "2",
+                  "--workload-set", "multi-turn.system_prompt_len=100", "--workload-set", "multi-turn.rate=4,16",
+                  "--workload-set", "multi-turn.duration=30", "--out", str(tmp_path)])
+    assert args.func(args) == 0
+    assert started == ["pow2"]
+    assert ran == [("shared-prefix", "rate 8", 15.0, 600), ("multi-turn", "rate 4", 30.0, 100),
+                   ("multi-turn", "rate 16", 30.0, 100)]
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("multi-turn.num_users=3", "not one of --workload"),
+    ("random.system_prompt_len=3", "has no 'system_prompt_len'"),
+    ("random.input_len=many", "is not a whole number"),
+    ("random.rate=0", "positive"),
+    ("random.input_len=0", "must be positive"),
+    ("random=3", "expected WORKLOAD.KEY=VALUE"),
+])
+def test_workload_set_rejects_what_it_cannot_apply(tmp_path, entry, message, capsys):
+    """A --workload-set for a workload not run, an unknown key, a bad value or a malformed entry is a usage error (exit 2) before anything starts."""
+    args = parse(["bench", "compare", "--policies", "pow2", "--workload", "random", "--rate", "1",
+                  "--workload-set", entry, "--out", str(tmp_path)])
+    assert args.func(args) == 2
+    assert message in capsys.readouterr().err
