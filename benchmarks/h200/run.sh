@@ -20,7 +20,9 @@
 #   bash benchmarks/h200/run.sh autoscale      step load, replicas 1 -> 4 (AUTOSCALE_GPU_SHARE each, demo model): kv, kv-cold,
 #                                              queue_length, fixed-max -> autoscale.json, report.md, timeline.png
 #   bash benchmarks/h200/run.sh start STAGES   run the stages in order in the background (one session's
-#                                              device time is a few device calls: the driver outlives a call)
+#                                              device time is a few device calls: the driver outlives a call).
+#                                              On a fresh machine this call first installs the wheels: 1-5 min
+#                                              (seen: 54 s, and once over 4 min), so give the call a 600 s limit
 #   bash benchmarks/h200/run.sh stop           stop the driver, its servers, HAProxy and Ray (then `start` again)
 #   bash benchmarks/h200/run.sh poll SECONDS   wait for the background driver (at most SECONDS), then pack
 #                                              what it wrote so far into $OUT/results.tar.gz
