@@ -40,6 +40,8 @@ from kvtide.config.routing import RoutingConfig
 # Refused connections after which HAProxy marks a replica down (Ray Serve's
 # `observe layer4 error-limit 3`); see KvtideConfig.ray_process_env.
 HAPROXY_MARK_DOWN_ERRORS = 3
+# HAProxy's retry-on in direct mode (the reason is at its use in ray_process_env).
+HAPROXY_RETRY_ON = "conn-failure empty-response"
 
 # The demo model's name in configs; resolved to its local cache dir by kvtide.deployments.demo_model.
 DEMO_MODEL = "demo"
@@ -271,6 +273,13 @@ class KvtideConfig(Strict):
                 # dead replica (no connections) is picked again until its third refused
                 # connection marks it down (error-limit 3): 3 retries on top of max_retries.
                 "RAY_SERVE_HAPROXY_RETRIES": str(self.ingress.admission.max_retries + HAPROXY_MARK_DOWN_ERRORS),
+                # Retry also a request whose connection closed with no response: a replica that
+                # died after accepting it (in the second before Serve notices, it is still picked),
+                # or a kept-alive connection the replica closed as HAProxy reused it. Ray retries
+                # refused connections only, as a repeat could run a non-idempotent request twice;
+                # a completion has no side effect, and the client got nothing from the first. The
+                # body is buffered (tune.bufsize above), so HAProxy can send it again.
+                "RAY_SERVE_HAPROXY_RETRY_ON": HAPROXY_RETRY_ON,
             })
         return env
 

@@ -393,7 +393,7 @@ def kill_app(cluster, cluster_config):
 
 
 def test_killed_engine_replica_ends_streams_cleanly_and_the_fleet_recovers(kill_app):
-    """32 streams, one engine killed: each ends (done or SSE error) in bound, new requests succeed, 2 replicas return."""
+    """32 streams, one engine killed: each ends (done or SSE error) in bound, new requests succeed (also before Serve notices), 2 replicas return."""
     assert running_engines(KILL_APP) == 2
     client = httpx.Client(base_url=kill_app, timeout=httpx.Timeout(KILL_REQUEST_BOUND_S, connect=10))
     body = {"model": KILL_APP, "prompt": "def replica_failure():", "max_tokens": 400, "temperature": 0,
@@ -411,10 +411,15 @@ def test_killed_engine_replica_ends_streams_cleanly_and_the_fleet_recovers(kill_
         victim_children = psutil.Process(victim_pid).children(recursive=True)  # vLLM's EngineCore
         killed_at = time.monotonic()
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        # Requests sent before Serve has noticed the death can still be pinned to the dead
+        # replica: HAProxy retries them on another (a refused connection, or one closed with no
+        # response: RAY_SERVE_HAPROXY_RETRY_ON), so none fails.
+        with ThreadPoolExecutor(8) as window_pool:
+            in_window = list(window_pool.map(
+                lambda i: client.post("/v1/completions", json={"model": KILL_APP, "prompt": f"window {i}",
+                                                               "max_tokens": 4}), range(8)))
 
-        # Once Serve has noticed the death, new requests go to the survivor. (In direct mode a
-        # request arriving in the second before that can still be pinned to the dead replica
-        # and fail; ingress mode retries it on the survivor. README: Reliability.)
+        # Once Serve has noticed the death, new requests go to the survivor.
         wait_for(lambda: running_engines(KILL_APP) < 2, 60, 0.2, "Serve to notice the killed replica")
         detected_s = time.monotonic() - killed_at
         after = [client.post("/v1/completions", json={"model": KILL_APP, "prompt": f"after {i}", "max_tokens": 4})
@@ -424,7 +429,8 @@ def test_killed_engine_replica_ends_streams_cleanly_and_the_fleet_recovers(kill_
     ended_s = max(r.elapsed_s for r in results)
     outcomes = Counter(r.outcome for r in results)
     print(f"\nkill: victim served {replicas[victim_id]} of {sum(replicas.values())} streams; outcomes {dict(outcomes)}; "
-          f"slowest stream {ended_s:.1f} s; after-kill statuses {[r.status_code for r in after]}")
+          f"slowest stream {ended_s:.1f} s; statuses before Serve noticed {[r.status_code for r in in_window]}, "
+          f"after {[r.status_code for r in after]}")
     # In direct mode a stream is a connection to the replica itself (through HAProxy): when
     # the replica's process dies, the connection closes mid-stream, as with a bare vLLM pod;
     # the client sees a cut, never a hang. Every stream on the survivor finishes normally.
@@ -436,6 +442,8 @@ def test_killed_engine_replica_ends_streams_cleanly_and_the_fleet_recovers(kill_
     for resp in after:
         assert resp.status_code == 200, resp.text
         assert resp.headers["x-kvtide-replica"] != victim_id
+    for resp in in_window:
+        assert resp.status_code == 200, resp.text
 
     # Serve then starts a replacement.
     wait_for(lambda: running_engines(KILL_APP) == 2, RECOVERY_BOUND_S, 0.5,

@@ -223,6 +223,8 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
   value: {{ dig "ingress" "max_body_bytes" 4194304 .Values.kvtide | int64 | toString | quote }}
 - name: RAY_SERVE_HAPROXY_RETRIES
   value: {{ add 3 (dig "ingress" "admission" "max_retries" 2 .Values.kvtide | int64) | toString | quote }}
+- name: RAY_SERVE_HAPROXY_RETRY_ON
+  value: "conn-failure empty-response"
 {{- end }}
 - name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
   value: "2"
