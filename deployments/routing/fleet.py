@@ -36,9 +36,11 @@ from kvtide.deployments.routing.pick_load import PickCounts
 from kvtide.deployments.routing.policy import RouterState
 from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
 
-# Block updates per digest slice in the router (deployments.router): ~0.25 µs each, so a slice
-# holds the loop ~8 µs at p50 (benchmarks/results/router_microbench.md: 96-block slices took
-# ~20 µs, with a longer tail); a push of ~1,000 changed blocks is ~30 loop turns.
+# Block updates per digest slice in the router (deployments.router): each slice decodes and sets
+# apart its own part of the delta, then updates the index (`PrefixIndex._apply_delta_steps`),
+# ~0.6 µs a block all told, so a slice holds the loop ~19 µs at p50 and ~70 µs at p99 on the
+# benchmark (benchmarks/results/router_microbench.md); a push of ~1,000 changed blocks is ~30
+# loop turns.
 DIGEST_SLICE_BLOCKS = 32
 
 
