@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 from kvtide.deployments.routing.block_hash import BlockHash
 from kvtide.deployments.routing.prefix_index import PrefixIndex
@@ -44,3 +44,19 @@ def index_holding(prompt: Sequence[BlockHash], ttl_s: float, held: dict[str, int
     for rid, n in held.items():
         index.apply_digest(CacheDigest.from_hashes(rid, 1, 1, prompt[:n]))
     return index
+
+
+def run_slices(steps: Iterator[None], after_each: Callable[[], None]) -> int:
+    """Drive `PrefixIndex.apply_digest_steps` to its end, calling `after_each` between slices; the slice count.
+
+    Asserts the digest was applied (the generator returns True).
+    """
+    slices = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            assert done.value is True
+            return slices
+        slices += 1
+        after_each()

@@ -138,15 +138,13 @@ def test_a_policy_that_fails_to_start_does_not_lose_the_others(tmp_path, monkeyp
     assert "`pow2` failed: RuntimeError: the kvtide app kept failing to start" in (tmp_path / "report.md").read_text()
 
 
-def test_repeats_rotate_the_policy_order_and_draw_new_prompts(tmp_path, monkeypatch):
-    """--repeats 3: each repeat starts with another policy and its own seeds; runs.json keeps every run."""
+def _fake_servers(monkeypatch, started: list, on_run) -> None:
+    """compare with no servers: each start is recorded in `started`, each run calls on_run(workload, args, level)."""
     import contextlib
 
     from kvtide.benchmarks import cli
     from kvtide.benchmarks.loadgen import LoadResult
     from kvtide.benchmarks.report import build_run_report
-
-    started, seeds = [], []
 
     @contextlib.contextmanager
     def fake_serving(policy, config, out, args):
@@ -155,12 +153,18 @@ def test_repeats_rotate_the_policy_order_and_draw_new_prompts(tmp_path, monkeypa
 
     async def fake_bench_once(base_url, metrics, workload, policy, args, model=None, load_level=None, warmup=None,
                               num_replicas=None):
-        seeds.append(workload.seed)
+        on_run(workload, args, load_level)
         report = build_run_report(workload=workload.name, policy=policy, results=[], duration_s=1.0, metrics=None)
         return report, LoadResult([], 1.0)
 
     monkeypatch.setattr(cli, "serving", fake_serving)
     monkeypatch.setattr(cli, "bench_once", fake_bench_once)
+
+
+def test_repeats_rotate_the_policy_order_and_draw_new_prompts(tmp_path, monkeypatch):
+    """--repeats 3: each repeat starts with another policy and its own seeds; runs.json keeps every run."""
+    started, seeds = [], []
+    _fake_servers(monkeypatch, started, lambda workload, args, level: seeds.append(workload.seed))
     args = parse(["bench", "compare", "--policies", "pow2,prefix_aware,bare", "--workload", "random", "--rate", "1",
                   "--num-requests", "3", "--repeats", "3", "--out", str(tmp_path)])
     assert args.func(args) == 0
@@ -175,27 +179,9 @@ def test_repeats_rotate_the_policy_order_and_draw_new_prompts(tmp_path, monkeypa
 
 def test_workload_set_gives_each_workload_its_own_params_rates_and_duration(tmp_path, monkeypatch):
     """--workload-set overrides one workload's params, rates and duration; the others keep the shared flags; one start per policy."""
-    import contextlib
-
-    from kvtide.benchmarks import cli
-    from kvtide.benchmarks.loadgen import LoadResult
-    from kvtide.benchmarks.report import build_run_report
-
     started, ran = [], []
-
-    @contextlib.contextmanager
-    def fake_serving(policy, config, out, args):
-        started.append(policy)
-        yield cli.Target("http://127.0.0.1:1", None, "m")
-
-    async def fake_bench_once(base_url, metrics, workload, policy, args, model=None, load_level=None, warmup=None,
-                              num_replicas=None):
-        ran.append((workload.name, load_level.label, args.duration, workload.params.system_prompt_len))
-        report = build_run_report(workload=workload.name, policy=policy, results=[], duration_s=1.0, metrics=None)
-        return report, LoadResult([], 1.0)
-
-    monkeypatch.setattr(cli, "serving", fake_serving)
-    monkeypatch.setattr(cli, "bench_once", fake_bench_once)
+    _fake_servers(monkeypatch, started, lambda workload, args, level: ran.append(
+        (workload.name, level.label, args.duration, workload.params.system_prompt_len)))
     args = parse(["bench", "compare", "--policies", "pow2", "--workload", "shared-prefix,multi-turn", "--rate", "8",
                   "--duration", "15", "--system-prompt-len", "600", "--num-groups", "2", "--prompts-per-group", "2",
                   "--num-users", "2", "--num-rounds", "2",

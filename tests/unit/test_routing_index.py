@@ -7,6 +7,8 @@ import random
 
 import pytest
 
+from fakes import run_slices
+
 from kvtide.deployments.routing.block_hash import BlockHash, block_hashes
 from kvtide.deployments.routing.prefix_index import PrefixIndex
 from kvtide.deployments.routing.snapshot import BlockDelta, CacheDigest
@@ -242,16 +244,10 @@ def test_a_digest_applied_in_slices_ends_where_applying_it_at_once_does():
     for d in digests:
         assert at_once.apply_digest(d)
     assert sliced.apply_digest(digests[0])
-    steps = sliced.apply_digest_steps(digests[1], 64)
-    slices = 0
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            assert done.value is True
-            break
-        slices += 1
+    def between_slices() -> None:
         assert _consistent(sliced, "a") and sliced.applied("a") == (1, 1)
+
+    slices = run_slices(sliced.apply_digest_steps(digests[1], 64), between_slices)
     assert slices == 2 + 3  # ceil(100 / 64) + ceil(170 / 64)
     assert sliced.held_by("a") == at_once.held_by("a") == frozenset(new) and sliced.applied("a") == (1, 2)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+from fakes import run_slices
+
 from kvtide.deployments.routing import prefix_index
 from kvtide.deployments.routing.block_hash import block_hashes
 from kvtide.deployments.routing.prefix_index import EXPIRY_BLOCKS_PER_BOOKED, PrefixIndex
@@ -92,17 +94,11 @@ def test_a_sliced_delta_takes_slices_of_reported_blocks_and_ends_where_at_once_d
     for d in digests:
         assert at_once.apply_digest(d)
     assert sliced.apply_digest(digests[0])
-    steps = sliced.apply_digest_steps(digests[1], 4)
-    slices = 0
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            assert done.value is True
-            break
-        slices += 1
+    def between_slices() -> None:
         held = sliced.held_by("a")
         assert all(sliced.engine_holders(h) == {"a"} for h in held)
         assert sliced.num_engine_blocks == len(held) and sliced.applied("a") == (1, 1)
+
+    slices = run_slices(sliced.apply_digest_steps(digests[1], 4), between_slices)
     assert slices == 4 + 7  # ceil(13 / 4) + ceil(25 / 4)
     assert sliced.held_by("a") == at_once.held_by("a") == frozenset(new) and sliced.applied("a") == (1, 2)
