@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Callable, Iterator, Sequence
 
 from kvtide.deployments.routing.block_hash import BlockHash
@@ -60,3 +61,19 @@ def run_slices(steps: Iterator[None], after_each: Callable[[], None]) -> int:
             return slices
         slices += 1
         after_each()
+
+
+async def settle_digest_slices(router, max_turns: int = 10_000) -> None:
+    """Let the event loop turn until the router has applied every queued digest slice.
+
+    The router applies one slice per loop turn (`loop.call_soon`); each turn here is a future
+    resolved by a callback queued behind them, so the wait is counted in turns, not in time.
+    """
+    loop = asyncio.get_running_loop()
+    for _ in range(max_turns):
+        if not router._fleet.num_queued_digests:
+            return
+        turn = loop.create_future()
+        loop.call_soon(turn.set_result, None)
+        await turn
+    raise AssertionError("digest slices did not finish")

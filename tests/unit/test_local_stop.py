@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -115,9 +115,9 @@ def _child(code: str) -> psutil.Process:
 
 def test_terminate_then_kill_kills_what_ignores_sigterm_and_reaps_everything():
     """SIGTERM first; a process ignoring it is killed after the grace; none is left, not even a zombie."""
-    polite = _child("import time; print('ready', flush=True); time.sleep(60)")
-    stubborn = _child("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
-                      "time.sleep(60)")
+    polite = _child("import signal; print('ready', flush=True); signal.pause()")
+    stubborn = _child("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+                      "signal.pause()")
     local._terminate_then_kill([polite, stubborn], grace_s=1.0)
     for proc in (polite, stubborn):
         assert not psutil.pid_exists(proc.pid)  # exited and reaped
@@ -126,16 +126,15 @@ def test_terminate_then_kill_kills_what_ignores_sigterm_and_reaps_everything():
 def test_wait_exited_counts_a_zombie_as_exited():
     """A process that exited but is not reaped yet is not waited for (and this process reaps its own)."""
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    deadline_s = time.monotonic() + 10
-    while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline_s:
-        time.sleep(0.05)
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # blocks until it exits, leaves it unreaped
+    assert psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
     assert local.wait_exited([psutil.Process(proc.pid)], timeout_s=5.0) == []
     assert not psutil.pid_exists(proc.pid)
 
 
 def test_wait_exited_returns_the_survivors_after_the_timeout():
     """A process still running at the timeout is returned for the caller to kill."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     try:
         assert [p.pid for p in local.wait_exited([psutil.Process(proc.pid)], timeout_s=0.2)] == [proc.pid]
     finally:

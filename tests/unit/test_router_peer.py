@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 from ray.serve.request_router import PendingRequest
 
-from fakes import FakeTokenizer
+from fakes import FakeTokenizer, settle_digest_slices
 
 from kvtide.config import parse_config
 from kvtide.deployments.hot_prefixes import HotPrefixTracker
@@ -73,8 +73,7 @@ def test_the_peer_answers_with_the_routers_prediction_for_its_pick():
         digest = CacheDigest.from_hashes("engine-b", 1, 1, hashes)
         replicas = [FakeReplica("a"), FakeReplica("b", {"digest": digest, "reported_s": 1.0})]
         router.update_replicas(replicas)
-        while router._fleet.num_queued_digests:  # the digest's slices run on the next loop turns
-            await asyncio.sleep(0)
+        await settle_digest_slices(router)  # the digest's slices run on the next loop turns
         peer = SimpleNamespace(prompts=prompts, block_size=BS, send_prompt_text=False,
                                hot_prefixes_tracker=HotPrefixTracker(BS), engine=RouterHandle(router, replicas))
         return await RouterPeer.route(peer, BODY)

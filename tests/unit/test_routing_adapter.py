@@ -14,6 +14,8 @@ import time
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 from ray.serve.request_router import PendingRequest
 
+from fakes import settle_digest_slices
+
 from kvtide.deployments.messages import GenerateRequest, RoutingKey, SamplingSpec
 from kvtide.deployments.router import DIGEST_AGE_RECORD_INTERVAL_S, PrefixAwareRouter
 from kvtide.deployments.routing.block_hash import block_hashes
@@ -50,11 +52,7 @@ def new_router() -> PrefixAwareRouter:
 async def update(router: PrefixAwareRouter, replicas: list) -> None:
     """Ray's push, then the loop turns that apply its digests slice by slice (a decision may run between two)."""
     router.update_replicas(replicas)
-    for _ in range(10_000):
-        if not router._fleet.num_queued_digests:
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("digest slices did not finish")
+    await settle_digest_slices(router)
 
 
 def pending(arg) -> PendingRequest:
