@@ -17,7 +17,7 @@
 #                                              RANDOM_POLICIES, RANDOM_RATES)
 #   bash benchmarks/h200/run.sh routing-all    the three loads above in one compare, one cluster start per policy
 #                                              (POLICIES, RATES for shared-prefix, MULTITURN_RATES, RANDOM_RATES)
-#   bash benchmarks/h200/run.sh autoscale      step load, replicas 1 -> 4 (AUTOSCALE_GPU_SHARE each, demo model): kv, kv-cold,
+#   bash benchmarks/h200/run.sh autoscale      step load, replicas 1 -> 4 (AUTOSCALE_MIN/_MAX; AUTOSCALE_GPU_SHARE each, demo model): kv, kv-cold,
 #                                              queue_length, fixed-max -> autoscale.json, report.md, timeline.png
 #   bash benchmarks/h200/run.sh start STAGES   run the stages in order in the background (one session's
 #                                              device time is a few device calls: the driver outlives a call).
@@ -78,8 +78,12 @@ serve_and_snapshot() {  # name, extra --set args...: serve, record which GPU eac
 # 2.4x one replica's cache and fit the fleet with room for running requests; at 4 GiB they filled
 # it exactly and under overload every policy's hit rate collapsed (h200-session-2026-12-01b)
 ROUTING_SHARE=${ROUTING_GPU_SHARE:-0.5}
-FLEET_8B=(--set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape
-  --set replicas.num_replicas=4 --set resources.gpus_per_worker="$ROUTING_SHARE" --set engine.gpu_memory_utilization=null
+# ROUTING_REPLICAS: engine replicas (4; 8 on the x8 kind at ROUTING_GPU_SHARE=1); ROUTING_SET: more --set
+# arguments for every policy's fleet (e.g. "--set engine.tensor_parallel_size=2" for 4 replicas x TP2 on 8 GPUs)
+ROUTING_REPLICAS=${ROUTING_REPLICAS:-4}
+# shellcheck disable=SC2206  # ROUTING_SET is split into words on purpose
+FLEET_8B=(--set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape ${ROUTING_SET:-}
+  --set replicas.num_replicas="$ROUTING_REPLICAS" --set resources.gpus_per_worker="$ROUTING_SHARE" --set engine.gpu_memory_utilization=null
   --set engine.kv_cache_memory_bytes="${ROUTING_KV_BYTES:-6442450944}" --set engine.max_model_len=8192 --set engine.max_num_seqs=64
   --set engine.max_num_batched_tokens=8192 --set http.port=8300 --set metrics.port=8390)
 
@@ -126,7 +130,7 @@ compare() {  # out name, policies, workload, rates, extra args...
       --policies "$policies" --workload "$workload" --rate "$rates" --duration "${DURATION:-15}" \
       --tokenizer /tmp/models/llama-8b-shape --slo-ttft-s 1.0 --metrics-settle 20 --drain-timeout 20 --no-progress \
       --repeats "${REPEATS:-1}" \
-      --hardware "$(nvidia-smi -L | wc -l) × NVIDIA H200, 4 engine replicas of a Llama-3.1-8B-shaped model (random weights), $ROUTING_SHARE GPU and $(( ${ROUTING_KV_BYTES:-6442450944} / 1073741824 )) GiB KV each, vLLM $(python3 -c 'import vllm; print(vllm.__version__)' 2>/dev/null)" \
+      --hardware "$(nvidia-smi -L | wc -l) × NVIDIA H200, $ROUTING_REPLICAS engine replicas of a Llama-3.1-8B-shaped model (random weights)${ROUTING_SET:+ ($ROUTING_SET)}, $ROUTING_SHARE GPU and $(( ${ROUTING_KV_BYTES:-6442450944} / 1073741824 )) GiB KV each, vLLM $(python3 -c 'import vllm; print(vllm.__version__)' 2>/dev/null)" \
       --out "$RES/$name" "$@" > "$RES/$name/compare.log" 2>&1
   echo "$name: exit $?" >> "$RES/driver-notes.txt"
 }
@@ -173,13 +177,14 @@ autoscale)  # AUTOSCALE_GPU_SHARE: GPU per replica (0.5 = two per GPU on the x2;
   leftovers autoscale
   startup_stacks & stacks=$!
   ngpu=$(nvidia-smi -L | wc -l); share=${AUTOSCALE_GPU_SHARE:-0.5}; kv=${AUTOSCALE_KV_BYTES:-33554432}
+  amin=${AUTOSCALE_MIN:-1}; amax=${AUTOSCALE_MAX:-4}  # 2 and 8 on the x8 kind (#14)
   python3 -m kvtide.benchmarks.autoscale --config "$REPO/cluster/configs/gpu-demo.yaml" \
-      --set replicas.num_replicas=null --set replicas.min_replicas=1 --set replicas.max_replicas=4 \
+      --set replicas.num_replicas=null --set replicas.min_replicas="$amin" --set replicas.max_replicas="$amax" \
       --set resources.gpus_per_worker="$share" --set engine.gpu_memory_utilization=null \
       --set engine.kv_cache_memory_bytes="$kv" --set engine.max_model_len=2048 --set autoscaling.max_step=3 \
       --set http.port=8300 --set metrics.port=8390 --variants "${VARIANTS:-kv,queue_length,kv-cold,fixed-max}" \
       --high-rate "${HIGH_RATE:-20}" --queue-target-ongoing "${QUEUE_TARGET:-2}" --warm-caches ${TRACE_ARGS:-} \
-      --hardware "$ngpu × NVIDIA H200, demo model, up to 4 replicas ($share GPU and $((kv / 1048576)) MiB of KV each)" \
+      --hardware "$ngpu × NVIDIA H200, demo model, $amin to $amax replicas ($share GPU and $((kv / 1048576)) MiB of KV each)" \
       --out-dir "$RES/autoscale" > "$RES/autoscale.log" 2>&1
   echo "autoscale: exit $?" >> "$RES/driver-notes.txt"
   kill $stacks
