@@ -38,10 +38,13 @@ from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
 
 # Block updates per digest slice in the router (deployments.router): each slice decodes and sets
 # apart its own part of the delta, then updates the index (`PrefixIndex._apply_delta_steps`),
-# ~0.6 µs a block all told, so a slice holds the loop ~19 µs at p50 and ~70 µs at p99 on the
-# benchmark (benchmarks/results/router_microbench.md); a push of ~1,000 changed blocks is ~30
-# loop turns.
-DIGEST_SLICE_BLOCKS = 32
+# ~0.6 µs a block all told, so a slice holds the loop ~10 µs at p50 and ~30 µs at p99 on the
+# benchmark (benchmarks/results/router_microbench.md); a push of ~1,000 changed blocks is ~60
+# loop turns. 16, not 32: a decision that arrives during a slice waits for the rest of it, and
+# 32-block slices held the loop ~17 µs at p50 and ~63 µs at p99 for the same total digest time
+# (~0.75 % of the loop, within noise); decision p99 fell in 4 of 6 alternating runs (medians
+# 112 → 103 µs on the busy 2-CPU machine). 8 cost more digest time (~0.80 %) and did not help.
+DIGEST_SLICE_BLOCKS = 16
 
 
 def rekey(digest: CacheDigest, replica_id: str) -> CacheDigest:

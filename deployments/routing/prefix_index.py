@@ -40,6 +40,12 @@ one C-level `sum` of its keys (distinct powers of two: the sum is their OR). Mea
 index, on a busy 2-CPU machine): pruning (`expire`) p50 18.0 → 15.8 µs, booking 15.8 → 14.9 µs,
 `match` 22.4 → 21.1 µs. The rest of a booking is cache misses on the ~78k-block dict itself.
 
+Bits back to replica ids through a memo (`_rids_in`): most matches end with the same few holder
+masks (every replica holds the shared system prompt, then all but the session's replica drop
+out), and naming them one bit at a time was a Python step per replica per decision. Measured
+(the same requests against the same index, old and new `match` alternating, 6 passes of 6,000):
+`match` p50 9.1 → 6.8 µs, mean 10.3 → 7.8 µs with a warm cache.
+
 Invariants:
 - `_engine[h]` is never 0 (emptied entries are deleted), so the index size tracks the
   blocks held, not the blocks ever seen.
@@ -54,6 +60,8 @@ Invariants:
 - Pruning may stop inside the queue's head (a budget per booking): its first `_expiry_pos`
   blocks are done. An entry past its expiry may stay in `_routed` while the head is due;
   every lookup then reads expiries, so only live history ever counts.
+- `_rids_of_bits[mask]` names the replicas of `mask` under the current bit assignment: it is
+  cleared whenever a bit is given to a replica or freed.
 - Time is always a parameter (`now_s`); nothing here reads a clock.
 """
 
@@ -88,6 +96,7 @@ MIN_EXPIRY_BLOCKS = 64
 # so a run every candidate holds costs no Python step per block; few enough that a walk
 # ending early looks up little past its end.
 MATCH_CHUNK_BLOCKS = 16
+MAX_MEMO_MASKS = 4096  # holder masks remembered by `_rids_in`; cleared when full or when a bit changes hands
 
 
 def run_steps(steps: Generator[None, None, bool]) -> bool:
@@ -115,6 +124,7 @@ class PrefixIndex:
         self._engine: dict[BlockHash, int] = {}  # block → OR of its holders' bits (never 0)
         self._bit: dict[str, int] = {}  # replica → its bit (a power of two)
         self._rid_of: dict[int, str] = {}  # bit → replica: `_bit` reversed
+        self._rids_of_bits: dict[int, tuple[str, ...]] = {}  # memo of `_rids_in`: a few masks recur
         self._free_bits: list[int] = []  # bits of removed replicas, for reuse (keeps the ints small)
         self._engine_blocks: dict[str, set[BlockHash]] = {}
         self._applied: dict[str, tuple[int, int]] = {}  # replica → (epoch, sequence) of its last digest
@@ -247,6 +257,7 @@ class PrefixIndex:
             bit = self._free_bits.pop() if self._free_bits else 1 << len(self._bit)
             self._bit[rid] = bit
             self._rid_of[bit] = rid
+            self._rids_of_bits.clear()
         return bit
 
     def _add_holder(self, rid: str, hashes: Iterable[BlockHash]) -> None:
@@ -335,6 +346,7 @@ class PrefixIndex:
         bit = self._bit.pop(replica_id, None)
         if bit is not None:  # nothing holds it now: free for the next replica
             del self._rid_of[bit]
+            self._rids_of_bits.clear()
             self._free_bits.append(bit)
 
     def _forget_routed(self, replica_id: str) -> None:
@@ -409,7 +421,7 @@ class PrefixIndex:
         matched: dict[str, int] = {}
         if not candidates:
             return matched
-        engine_get, routed_get, rid_of = self._engine.get, self._routed.get, self._rid_of
+        engine_get, routed_get, rids_of_bits = self._engine.get, self._routed.get, self._rids_of_bits
         num_blocks, depth = len(hashes), 1
         while depth < num_blocks:
             if not candidates & (candidates - 1):  # one candidate left: its own set is cheaper
@@ -446,20 +458,30 @@ class PrefixIndex:
                         rest ^= low
                 if dropped:
                     candidates ^= dropped
-                    while dropped:
-                        low = dropped & -dropped
-                        matched[rid_of[low]] = depth
-                        dropped ^= low
+                    for rid in rids_of_bits.get(dropped) or self._rids_in(dropped):
+                        matched[rid] = depth
                     if not candidates:
                         return matched
                 depth += 1
                 if not candidates & (candidates - 1):
                     break  # one candidate left: the loop above hands it to _match_one
-        while candidates:
-            low = candidates & -candidates
-            matched[rid_of[low]] = depth
-            candidates ^= low
+        for rid in rids_of_bits.get(candidates) or self._rids_in(candidates):
+            matched[rid] = depth
         return matched
+
+    def _rids_in(self, bits: int) -> tuple[str, ...]:
+        """The replicas of `bits`, memoized: `match` turns the same few masks (all replicas, all but
+        one) into replica ids at most decisions, and a Python step per bit cost ~0.15 µs."""
+        rid_of, rids, rest = self._rid_of, [], bits
+        while rest:
+            low = rest & -rest
+            rids.append(rid_of[low])
+            rest ^= low
+        memo = self._rids_of_bits
+        if len(memo) >= MAX_MEMO_MASKS:
+            memo.clear()
+        memo[bits] = out = tuple(rids)
+        return out
 
     def _match_one(self, hashes: Sequence[BlockHash], depth: int, candidate: int, now_s: float, all_live: bool,
                    matched: dict[str, int]) -> dict[str, int]:

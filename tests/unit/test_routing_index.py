@@ -133,6 +133,16 @@ def test_remove_replica_forgets_everything(index):
     assert set(index.replicas()) == {"b"}
 
 
+def test_a_reused_bit_is_matched_under_its_new_replica(index):
+    """match names holders through a memo of bit masks: a bit that changes hands names its new replica."""
+    index.apply_digest(digest("a", PROMPT))
+    index.apply_digest(digest("b", PROMPT))
+    assert index.match(PROMPT, 0.0) == {"a": 8, "b": 8}
+    index.remove_replica("a")
+    index.apply_digest(digest("c", PROMPT))  # given a's freed bit
+    assert index.match(PROMPT, 0.0) == {"b": 8, "c": 8}
+
+
 def test_digest_round_trips_compactly():
     """A digest pickles to ~8 bytes per block and decodes to the same hash set."""
     hashes = [BlockHash(h) for h in range(0, 2 ** 64 - 1, 2 ** 50)]
