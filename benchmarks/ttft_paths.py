@@ -1,0 +1,116 @@
+"""Where one stream's TTFT goes in direct mode: the whole path against its parts, one request at a time.
+
+    python -m kvtide.benchmarks.ttft_paths kvtide [-n 80]      (a running `kvtide serve`, one engine replica)
+    python -m kvtide.benchmarks.ttft_paths bare --port 8600     (a bare vLLM server with the same engine flags)
+
+For kvtide, each round sends three requests with fresh ~512-token prompts (no prefix-cache hits):
+    full     client → HAProxy → (Lua: consult the routing peer) → engine replica → first token
+    consult  client → routing peer's POST /internal/route alone (a new connection each time, as
+             HAProxy's Lua opens one per request)
+    replica  client → the engine replica's own port, with the peer's headers (token ids), so the
+             replica does what it does behind HAProxy
+so full − replica is what HAProxy and the consult add, and replica − bare is what the replica and
+its engine add. The ports are read from the HAProxy config Ray Serve wrote last. TTFT is the first
+SSE chunk carrying token ids (`return_token_ids`), as in the load generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import http.client
+import json
+import os
+import random
+import re
+import statistics
+import time
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+HAPROXY_DIR_GLOB = "/tmp/haproxy-serve/*/ingress_request_router.lua"
+
+
+def direct_mode_ports(lua_text: str, haproxy_cfg: str) -> tuple[int, int]:
+    """(routing peer port, first engine replica port) from Ray Serve's HAProxy Lua and config."""
+    peer = re.search(r"port = (\d+)", lua_text)
+    replica = re.search(r"server SERVE_REPLICA_\S+ [\d.]+:(\d+)", haproxy_cfg)
+    if peer is None or replica is None:
+        raise ValueError("no routing peer or engine replica in the HAProxy files (is kvtide serving in direct mode?)")
+    return int(peer.group(1)), int(replica.group(1))
+
+
+def latest_haproxy_files() -> tuple[str, str]:
+    lua = max(glob.glob(HAPROXY_DIR_GLOB), key=os.path.getmtime)
+    with open(lua) as f, open(os.path.join(os.path.dirname(lua), "haproxy.cfg")) as g:
+        return f.read(), g.read()
+
+
+def request_body(rng: random.Random, model: str, serial: int, words: int = 480) -> bytes:
+    # A leading serial number makes every prompt's first block unique: no prefix-cache hits.
+    prompt = f"{serial} " + " ".join(rng.choice(WORDS) for _ in range(words))
+    return json.dumps({"model": model, "prompt": prompt, "max_tokens": 2, "stream": True, "ignore_eos": True,
+                       "return_token_ids": True}).encode()
+
+
+def first_token_s(port: int, body: bytes, headers: dict[str, str] | None = None) -> float | None:
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    try:
+        start = time.perf_counter()
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        first = None
+        while line := resp.readline():
+            if first is None and line.startswith(b"data:") and b"token_ids" in line:
+                first = time.perf_counter() - start
+        return first
+    finally:
+        conn.close()
+
+
+def consult_s(port: int, body: bytes) -> tuple[float, dict[str, str]]:
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    try:
+        start = time.perf_counter()
+        conn.request("POST", "/internal/route", body, {"Content-Type": "application/json"})
+        answer = json.loads(conn.getresponse().read())
+        return time.perf_counter() - start, answer.get("request_headers") or {}
+    finally:
+        conn.close()
+
+
+def describe(samples_s: list[float]) -> str:
+    ms = sorted(1000 * s for s in samples_s)
+    return (f"n={len(ms)} p50 {statistics.median(ms):.1f} ms, p25 {ms[len(ms) // 4]:.1f}, "
+            f"p75 {ms[3 * len(ms) // 4]:.1f}, min {ms[0]:.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("server", choices=("kvtide", "bare"))
+    parser.add_argument("--port", type=int, default=8000, help="kvtide's HTTP port, or the bare server's")
+    parser.add_argument("--model", default="kvtide-demo")
+    parser.add_argument("-n", type=int, default=80, help="rounds (after 5 unmeasured ones)")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    paths: dict[str, list[float]] = {}
+    for i in range(-5, args.n):
+        if args.server == "bare":
+            got = {"bare": first_token_s(args.port, request_body(rng, args.model, 3 * i))}
+        else:
+            peer_port, replica_port = direct_mode_ports(*latest_haproxy_files())
+            full = first_token_s(args.port, request_body(rng, args.model, 3 * i))
+            body = request_body(rng, args.model, 3 * i + 1)
+            consult, headers = consult_s(peer_port, body)
+            got = {"full": full, "consult": consult, "replica": first_token_s(replica_port, body, headers)}
+        if i >= 0:
+            for path, seconds in got.items():
+                if seconds is not None:
+                    paths.setdefault(path, []).append(seconds)
+    for path, samples in paths.items():
+        print(f"{path:8s} {describe(samples)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""The TTFT-by-path probe (benchmarks/ttft_paths.py): reading Ray Serve's HAProxy files and building prompts."""
+
+import json
+import random
+
+import pytest
+
+from kvtide.benchmarks.ttft_paths import describe, direct_mode_ports, request_body
+
+LUA = '''local ROUTERS = {
+    ["http-kvtide"] = { { host = "127.0.0.1", port = 30000, host_header = "127.0.0.1:30000" } }
+}'''
+CFG = '''backend http-kvtide
+    server SERVE_REPLICA_kvtide-Engine-w63nl5zo 127.0.0.1:30001 check observe layer4 error-limit 3
+    server SERVE_PROXY_ACTOR-fallback-c3c4 127.0.0.1:8500 check backup'''
+
+
+def test_ports_come_from_the_lua_router_pool_and_the_first_engine_replica_server():
+    """The routing peer's port is the Lua pool's, the replica's the first SERVE_REPLICA server line (not the proxy fallback)."""
+    assert direct_mode_ports(LUA, CFG) == (30000, 30001)
+
+
+def test_files_without_a_peer_or_replica_are_refused_with_a_hint():
+    """An ingress-mode or half-written config raises ValueError naming direct mode, not an IndexError later."""
+    with pytest.raises(ValueError, match="direct mode"):
+        direct_mode_ports("local ROUTERS = {}", CFG)
+    with pytest.raises(ValueError, match="direct mode"):
+        direct_mode_ports(LUA, "backend http-kvtide\n")
+
+
+def test_prompts_differ_from_their_first_token_and_ask_for_token_ids():
+    """Each prompt starts with its serial (no prefix-cache hit between rounds) and streams token ids."""
+    rng = random.Random(0)
+    first, second = (json.loads(request_body(rng, "m", serial)) for serial in (0, 1))
+    assert first["prompt"].split()[0] == "0" and second["prompt"].split()[0] == "1"
+    assert first["stream"] and first["return_token_ids"] and first["model"] == "m"
+
+
+def test_describe_reports_milliseconds_by_rank():
+    """describe gives n, p50, p25, p75 and min in milliseconds."""
+    assert describe([0.010, 0.020, 0.030, 0.040]) == "n=4 p50 25.0 ms, p25 20.0, p75 40.0, min 10.0"
