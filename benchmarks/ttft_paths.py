@@ -94,11 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     paths: dict[str, list[float]] = {}
+    if args.server == "kvtide":
+        peer_port, replica_port = direct_mode_ports(*latest_haproxy_files())
     for i in range(-5, args.n):
         if args.server == "bare":
             got = {"bare": first_token_s(args.port, request_body(rng, args.model, 3 * i))}
         else:
-            peer_port, replica_port = direct_mode_ports(*latest_haproxy_files())
             full = first_token_s(args.port, request_body(rng, args.model, 3 * i))
             body = request_body(rng, args.model, 3 * i + 1)
             consult, headers = consult_s(peer_port, body)
