@@ -96,7 +96,7 @@ def _body(request: BenchRequest, model: str, endpoint: str) -> dict:
     return {**common, "prompt": request.as_prompt()}
 
 
-def _chunk_has_tokens(chunk: dict) -> bool:
+def chunk_has_tokens(chunk: dict) -> bool:
     """Whether a stream chunk delivers output tokens: token ids (return_token_ids) or text."""
     choices = chunk.get("choices") or []
     if not choices:
@@ -136,7 +136,7 @@ async def send_one(client: httpx.AsyncClient, url: str, request: BenchRequest, m
                         break
                     if chunk.get("usage"):
                         usage_tokens = chunk["usage"].get("completion_tokens")
-                    if _chunk_has_tokens(chunk):
+                    if chunk_has_tokens(chunk):
                         now = time.perf_counter()
                         if first is None:
                             first = now

@@ -11,7 +11,7 @@ For kvtide, each round sends three requests with fresh ~512-token prompts (no pr
              replica does what it does behind HAProxy
 so full − replica is what HAProxy and the consult add, and replica − bare is what the replica and
 its engine add. The ports are read from the HAProxy config Ray Serve wrote last. TTFT is the first
-SSE chunk carrying token ids (`return_token_ids`), as in the load generator.
+SSE chunk carrying tokens, by the load generator's own test (`chunk_has_tokens`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import random
 import re
 import statistics
 import time
+
+from kvtide.benchmarks.loadgen import chunk_has_tokens
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
 HAPROXY_DIR_GLOB = "/tmp/haproxy-serve/*/ingress_request_router.lua"
@@ -60,7 +62,8 @@ def first_token_s(port: int, body: bytes, headers: dict[str, str] | None = None)
         resp = conn.getresponse()
         first = None
         while line := resp.readline():
-            if first is None and line.startswith(b"data:") and b"token_ids" in line:
+            if first is None and line.startswith(b"data:") and line[5:].strip() != b"[DONE]" \
+                    and chunk_has_tokens(json.loads(line[5:])):
                 first = time.perf_counter() - start
         return first
     finally:
