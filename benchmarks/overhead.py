@@ -321,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="what the report names as the hardware, e.g. 'NVIDIA H200'")
     parser.add_argument("--vllm-bench", type=int, default=0, metavar="CONCURRENCY",
                         help="also run vLLM's own `bench serve` (prefix repetition) at this concurrency against each server")
+    parser.add_argument("--ttft-paths", type=int, default=0, metavar="ROUNDS",
+                        help="first measure one stream's TTFT by path on each server (benchmarks.ttft_paths): "
+                             "kvtide's full path, its routing consult and its replica alone, bare vLLM")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--out-dir", help="write results.json and report.md here")
     args = parser.parse_args(argv)
@@ -342,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown servers {sorted(unknown)}; choose from {SERVERS}")
     results: dict[str, dict[int, dict[str, Any]]] = {}
     bench: dict[str, dict[str, Any]] = {}
+    paths: dict[str, dict[str, Any]] = {}  # path name → TTFT summary (kvtide direct: full/consult/replica; vllm: bare)
     failed: dict[str, str] = {}
     log_dir = Path(args.out_dir) if args.out_dir else Path(tempfile.gettempdir())
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -357,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             ctx = serve_ray_llm(kwargs, args.port, gpu=config.resources.device == "gpu")
         try:
             with ctx as base_url:
+                if args.ttft_paths and server in PATH_PROBES:
+                    paths.update(ttft_paths(PATH_PROBES[server], args.port, config.model_name, args.ttft_paths))
                 results[server] = measure(base_url, config.model_name, args, tokens_per_word)
                 if args.vllm_bench:
                     bench[server] = vllm_bench_serve(base_url, config.model_name, model_path, args.vllm_bench,
@@ -366,13 +372,45 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # one server failing to start must not lose the others' numbers
             print(f"overhead: {server} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             failed[server] = f"{type(exc).__name__}: {exc}"[:300]
-        write_report(results, bench, failed, args, argv, config.model, kwargs, log_dir, final=False)
-    write_report(results, bench, failed, args, argv, config.model, kwargs, log_dir)
+        write_report(results, bench, paths, failed, args, argv, config.model, kwargs, log_dir, final=False)
+    write_report(results, bench, paths, failed, args, argv, config.model, kwargs, log_dir)
     return 1 if failed else 0
 
 
+# Servers the TTFT-by-path probe knows: kvtide in direct mode (HAProxy's files name its ports) and bare vLLM.
+PATH_PROBES = {"kvtide": "kvtide", "vllm": "bare"}
+
+
+def ttft_paths(probe: str, port: int, model: str, rounds: int) -> dict[str, dict[str, Any]]:
+    """One stream's TTFT by path (benchmarks.ttft_paths), summarized: path → {p50, p90, p99, mean, n}."""
+    from kvtide.benchmarks.ttft_paths import measure_paths
+
+    try:
+        samples_by_path = measure_paths(probe, port, model, rounds)
+    except (OSError, ValueError) as exc:  # a probe that cannot run must not cost the server's load levels
+        print(f"overhead: ttft paths on {probe} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return {}
+    out = {path: {**summarize(samples), "n": len(samples)} for path, samples in samples_by_path.items()}
+    print(f"overhead: ttft paths {out}", flush=True)
+    return out
+
+
+def paths_markdown(paths: dict[str, dict[str, Any]], rounds: int) -> str:
+    """The TTFT-by-path table: what HAProxy + the consult add (full − replica) and what the replica adds (replica − bare)."""
+    p50 = {path: s["p50"] for path, s in paths.items()}
+    text = (f"\nOne stream's TTFT by path (`benchmarks.ttft_paths`, {rounds} rounds of fresh 480-word prompts, "
+            "2 output tokens, one request at a time; ms):\n\n| path | p50 | p90 | mean | n |\n|---|---:|---:|---:|---:|\n")
+    for path, s in paths.items():
+        text += f"| {path} | {_ms(s['p50'])} | {_ms(s['p90'])} | {_ms(s['mean'])} | {s['n']} |\n"
+    if {"full", "replica", "bare"} <= p50.keys():
+        text += (f"\nHAProxy + consult (full − replica): {(p50['full'] - p50['replica']) * 1000:+.1f} ms; "
+                 f"replica and its engine (replica − bare): {(p50['replica'] - p50['bare']) * 1000:+.1f} ms (p50s).\n")
+    return text
+
+
 def write_report(results: dict[str, dict[int, dict[str, Any]]], bench: dict[str, dict[str, Any]],
-                 failed: dict[str, str], args: argparse.Namespace, argv: list[str] | None, model: str,
+                 paths: dict[str, dict[str, Any]], failed: dict[str, str], args: argparse.Namespace,
+                 argv: list[str] | None, model: str,
                  kwargs: dict[str, Any], log_dir: Path, final: bool = True) -> None:
     """report.md and results.json so far (called after every server: a killed run keeps finished servers)."""
     command = "python -m kvtide.benchmarks.overhead " + shlex.join(argv if argv is not None else sys.argv[1:])
@@ -384,6 +422,8 @@ def write_report(results: dict[str, dict[int, dict[str, Any]]], bench: dict[str,
         for server, b in bench.items():
             tps = b["output_tokens_per_s"]
             text += f"| {server} | {tps:.0f} | {_ratio(tps, base)} | {b['ttft_p50_s'] * 1000:.1f} |\n"
+    if paths:
+        text += paths_markdown(paths, args.ttft_paths)
     if failed:
         text += "\nFailed to run: " + "; ".join(f"{k}: {v}" for k, v in failed.items()) + "\n"
     if final:
@@ -392,7 +432,7 @@ def write_report(results: dict[str, dict[int, dict[str, Any]]], bench: dict[str,
         (log_dir / "report.md").write_text(text)
         (log_dir / "results.json").write_text(json.dumps(
             {"hardware": args.hardware, "command": command, "model": model, "engine": kwargs,
-             "results": results, "vllm_bench_serve": bench, "failed": failed}, indent=2, default=str) + "\n")
+             "results": results, "vllm_bench_serve": bench, "ttft_paths": paths, "failed": failed}, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -87,6 +87,31 @@ def describe(samples_s: list[float]) -> str:
             f"p75 {ms[3 * len(ms) // 4]:.1f}, min {ms[0]:.1f}")
 
 
+def measure_paths(server: str, port: int, model: str, rounds: int, seed: int = 1) -> dict[str, list[float]]:
+    """Path name → first-token seconds over `rounds` rounds (after 5 unmeasured ones), one request at a time.
+
+    `server` is "kvtide" (a kvtide serve in direct mode on `port`: full / consult / replica) or
+    "bare" (a vLLM server on `port`). `benchmarks.overhead --ttft-paths` calls it on each server.
+    """
+    rng = random.Random(seed)
+    paths: dict[str, list[float]] = {}
+    if server == "kvtide":
+        peer_port, replica_port = direct_mode_ports(*latest_haproxy_files())
+    for i in range(-5, rounds):
+        if server == "bare":
+            got = {"bare": first_token_s(port, request_body(rng, model, 3 * i))}
+        else:
+            full = first_token_s(port, request_body(rng, model, 3 * i))
+            body = request_body(rng, model, 3 * i + 1)
+            consult, headers = consult_s(peer_port, body)
+            got = {"full": full, "consult": consult, "replica": first_token_s(replica_port, body, headers)}
+        if i >= 0:
+            for path, seconds in got.items():
+                if seconds is not None:
+                    paths.setdefault(path, []).append(seconds)
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("server", choices=("kvtide", "bare"))
@@ -95,23 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", type=int, default=80, help="rounds (after 5 unmeasured ones)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    rng = random.Random(args.seed)
-    paths: dict[str, list[float]] = {}
-    if args.server == "kvtide":
-        peer_port, replica_port = direct_mode_ports(*latest_haproxy_files())
-    for i in range(-5, args.n):
-        if args.server == "bare":
-            got = {"bare": first_token_s(args.port, request_body(rng, args.model, 3 * i))}
-        else:
-            full = first_token_s(args.port, request_body(rng, args.model, 3 * i))
-            body = request_body(rng, args.model, 3 * i + 1)
-            consult, headers = consult_s(peer_port, body)
-            got = {"full": full, "consult": consult, "replica": first_token_s(replica_port, body, headers)}
-        if i >= 0:
-            for path, seconds in got.items():
-                if seconds is not None:
-                    paths.setdefault(path, []).append(seconds)
-    for path, samples in paths.items():
+    for path, samples in measure_paths(args.server, args.port, args.model, args.n, args.seed).items():
         print(f"{path:8s} {describe(samples)}")
     return 0
 

@@ -8,6 +8,7 @@
 #   bash benchmarks/h200/run.sh overhead-demo  kvtide direct / ingress vs bare vLLM, demo model, one GPU
 #                                              (SERVERS, CONCURRENCY, NUM_REQUESTS, OVERHEAD_DURATION narrow it)
 #   bash benchmarks/h200/run.sh overhead-8b    the same with a Llama-3.1-8B-shaped model built on the device
+#                                              (TTFT_PATHS=N: first N rounds of one stream's TTFT by path)
 #   bash benchmarks/h200/run.sh routing        `kvtide bench compare` on the x2 kind: 4 replicas of the 8B shape
 #                                              (2 per GPU), bare / pow2 / prefix_aware / round_robin, Zipf
 #                                              shared-prefix at several open-loop rates (POLICIES, RATES, ...)
@@ -237,7 +238,7 @@ overhead-8b)
       --set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape \
       --set engine.gpu_memory_utilization=0.85 --set engine.max_num_seqs=128 \
       --servers "${SERVERS:-kvtide,vllm}" --concurrency "${CONCURRENCY:-1,16,64}" --num-requests "${NUM_REQUESTS:-200}" \
-      --duration "${OVERHEAD_DURATION:-60}" --input-len 512 --output-len 128 \
+      --duration "${OVERHEAD_DURATION:-60}" --input-len 512 --output-len 128 --ttft-paths "${TTFT_PATHS:-0}" \
       --hardware "NVIDIA H200 (one GPU), Llama-3.1-8B shape, random weights" \
       --no-progress --out-dir "$RES/overhead-8b" > "$RES/overhead-8b.log" 2>&1
   tail -15 "$RES/overhead-8b/report.md"

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from kvtide.benchmarks.overhead import level_summary, markdown, vllm_cli_flags
+from kvtide.benchmarks.overhead import level_summary, markdown, paths_markdown, vllm_cli_flags
 from kvtide.benchmarks.report import RequestResult
 
 
@@ -42,3 +42,14 @@ def test_engine_kwargs_become_vllm_flags():
     flags = vllm_cli_flags({"max_model_len": 4096, "enforce_eager": True, "enable_prefix_caching": False,
                             "kv_cache_memory_bytes": None, "disable_log_stats": False})
     assert flags == ["--max-model-len", "4096", "--enforce-eager", "--no-enable-prefix-caching"]
+
+
+def test_ttft_paths_table_splits_the_path_into_haproxy_plus_consult_and_replica():
+    """paths_markdown states full − replica (HAProxy + consult) and replica − bare (replica + engine) from the p50s."""
+    def stat(p50: float) -> dict:
+        return {"p50": p50, "p90": p50 + 0.002, "p99": p50 + 0.004, "mean": p50 + 0.001, "n": 60}
+
+    text = paths_markdown({"full": stat(0.045), "consult": stat(0.003), "replica": stat(0.040), "bare": stat(0.034)}, 60)
+    assert "| full | 45.0 | 47.0 | 46.0 | 60 |" in text
+    assert "(full − replica): +5.0 ms" in text and "(replica − bare): +6.0 ms" in text
+    assert "full − replica" not in paths_markdown({"bare": stat(0.034)}, 60)  # no split without all three
