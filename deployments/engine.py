@@ -198,14 +198,14 @@ class EngineReplica:
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt  # vLLM keeps this salt's cached blocks apart
-        self.pending_prefill.start(request.request_id, self._uncached_tokens(request))
+        self.pending_prefill.start(request.request_id, self._uncached_tokens(request), time.monotonic())
         outputs = self.engine.generate(prompt, params, request_id=request.request_id)
         try:
             async for out in outputs:
                 completion = out.outputs[0]
                 first = num_output_tokens == 0 and len(completion.token_ids) > 0
                 if first:
-                    self.pending_prefill.done(request.request_id)
+                    self.pending_prefill.done(request.request_id, prefilled=True, now_s=time.monotonic())
                 num_output_tokens += len(completion.token_ids)
                 yield GenerateDelta(
                     text=completion.text,
@@ -225,7 +225,7 @@ class EngineReplica:
             await outputs.aclose()
             raise
         finally:
-            self.pending_prefill.done(request.request_id)
+            self.pending_prefill.done(request.request_id, now_s=time.monotonic())
 
     def _uncached_tokens(self, request: GenerateRequest) -> int:
         """The prompt tokens this replica must still compute for `request` (its own block set's view)."""
@@ -250,6 +250,9 @@ class EngineReplica:
             "num_waiting": load.num_waiting,
             "kv_usage_perc": load.kv_usage_perc,
             "pending_prefill_tokens": self.pending_prefill.total_tokens,
+            # How fast that backlog drains (0.0: not known yet): the router drains the
+            # report by it until the next one (deployments.routing.backlog).
+            "prefill_tokens_per_s": self.pending_prefill.drain_rate_tokens_per_s(time.monotonic()),
         }
         if self.kv_listener is not None:
             stats["digest"] = self.kv_listener.digest(time.time())

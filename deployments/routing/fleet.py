@@ -6,11 +6,14 @@ that payload implies is applied here, then, off the request path:
 
     sync(stats by replica)      digest → RouterState (its deltas, or a full set after a gap)
                                 load numbers → cached per replica
-                                a new report → this router's pick-only count restarts at 0
+                                a new report → this router's pick-only count restarts at 0, and
+                                the replica's prefill backlog restarts from the report
+                                (`deployments.routing.backlog`: drained at the engine's rate)
                                 replicas no longer listed → forgotten (index, sessions)
     snapshots(in-flight counts) per decision: one ReplicaSnapshot per candidate, reused
                                 while the replica's numbers are unchanged; pick-only picks
-                                since the report add their load and their booked prefill
+                                since the report add their load, and their booked prefill
+                                sits in the backlog
     digest_ages_s(now)          per replica: how old the newest applied digest is (telemetry:
                                 how stale the index's engine truth may be)
 
@@ -28,10 +31,12 @@ at a time; `forget` drops its queued digests and abandons one half applied.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import replace
 from typing import Any, Generator, Iterable, Mapping
 
+from kvtide.deployments.routing.backlog import PrefillBacklog
 from kvtide.deployments.routing.pick_load import PickCounts
 from kvtide.deployments.routing.policy import RouterState
 from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
@@ -63,23 +68,32 @@ class FleetView:
         self._queued: deque[CacheDigest] = deque()  # rekeyed, in arrival order
         self._newest_queued: dict[str, tuple[int, int]] = {}  # replica → (epoch, sequence) last queued
         self._applying: tuple[CacheDigest, Generator[None, None, bool]] | None = None
-        # replica → (running, waiting, kv usage, pending prefill tokens)
-        self._reported: dict[str, tuple[int, int, float, int]] = {}
+        # replica → (running, waiting, kv usage, pending prefill tokens, its drain rate)
+        self._reported: dict[str, tuple[int, int, float, int, float]] = {}
         self._picks = PickCounts()  # pick-only choices since each replica's last report
+        self._backlog = PrefillBacklog()  # prefill tokens ahead, reported + booked, drained between reports
         self._snapshots: dict[str, ReplicaSnapshot] = {}
         self._digest_s: dict[str, float] = {}  # replica → engine timestamp of its newest applied digest
 
-    def sync(self, stats_by_replica: Mapping[str, Mapping[str, Any]]) -> None:
-        """Apply the latest routing stats of every live replica; forget the replicas not listed."""
+    def sync(self, stats_by_replica: Mapping[str, Mapping[str, Any]], now_s: float | None = None) -> None:
+        """Apply the latest routing stats of every live replica; forget the replicas not listed.
+
+        `now_s`: wall-clock time (the engines stamp `reported_s` with theirs); default time.time().
+        """
+        now_s = time.time() if now_s is None else now_s
         for rid, stats in stats_by_replica.items():
             digest = stats.get("digest")
             if isinstance(digest, CacheDigest):
                 self._receive(rekey(digest, rid))
-            new_report = self._picks.on_report(rid, stats.get("reported_s"))
+            reported_s = stats.get("reported_s")
+            new_report = self._picks.on_report(rid, reported_s)
             reported = (int(stats.get("num_running", 0)), int(stats.get("num_waiting", 0)),
-                        float(stats.get("kv_usage_perc", 0.0)), int(stats.get("pending_prefill_tokens", 0)))
+                        float(stats.get("kv_usage_perc", 0.0)), int(stats.get("pending_prefill_tokens", 0)),
+                        float(stats.get("prefill_tokens_per_s", 0.0)))
             if new_report or reported != self._reported.get(rid):  # (a new report also drops the booked prefill)
                 self._reported[rid] = reported
+                self._backlog.on_report(rid, reported[3], reported[4],
+                                        reported_s if isinstance(reported_s, (int, float)) else now_s, now_s)
                 self._snapshots.pop(rid, None)
         for gone in set(self._reported) - set(stats_by_replica):
             self.forget(gone)
@@ -134,6 +148,7 @@ class FleetView:
         self._newest_queued.pop(replica_id, None)
         self.state.remove_replica(replica_id)
         self._picks.forget(replica_id)
+        self._backlog.forget(replica_id)
         for table in (self._reported, self._snapshots, self._digest_s):
             table.pop(replica_id, None)
 
@@ -145,7 +160,7 @@ class FleetView:
         """
         return {rid: max(0.0, now_s - stamp_s) for rid, stamp_s in self._digest_s.items()}
 
-    def book_pick(self, replica_id: str, uncached_tokens: int = 0) -> None:
+    def book_pick(self, replica_id: str, uncached_tokens: int = 0, now_s: float | None = None) -> None:
         """A pick-only choice (no request sent through Ray): count it as load until the next report.
 
         `uncached_tokens`: the prompt tokens the replica must prefill for it (the router's
@@ -158,21 +173,29 @@ class FleetView:
         cost its replica the affinity of the next request of the same prefix.
         """
         extra = max(0, uncached_tokens - self.state.tunables.tokens_per_queued_request)
-        self._picks.book(replica_id, extra)
+        self._picks.book(replica_id)
         if extra:
-            self._snapshots.pop(replica_id, None)  # its pending prefill changed
+            self._backlog.book(replica_id, extra, time.time() if now_s is None else now_s)
 
-    def snapshots(self, in_flight: Iterable[tuple[str, int | None]]) -> list[ReplicaSnapshot]:
-        """One snapshot per (replica id, this router's in-flight count or None), in that order."""
+    def snapshots(self, in_flight: Iterable[tuple[str, int | None]],
+                  now_s: float | None = None) -> list[ReplicaSnapshot]:
+        """One snapshot per (replica id, this router's in-flight count or None), in that order.
+
+        `now_s`: wall-clock time, as for `sync` (the backlog drains with it).
+        """
+        now_s = time.time() if now_s is None else now_s
         out = []
-        cache, picks, booked = self._snapshots, self._picks.picks, self._picks.prefill_tokens
+        cache, picks, backlog = self._snapshots, self._picks.picks, self._backlog
         for rid, confirmed in in_flight:
             confirmed = confirmed or 0
-            ongoing = max(confirmed, picks.get(rid, 0))
+            unreported = picks.get(rid, 0)
+            ongoing = max(confirmed, unreported)
+            pending = backlog.tokens(rid, now_s)
             snap = cache.get(rid)
-            if snap is None or snap.num_ongoing_requests != ongoing or snap.confirmed_ongoing_requests != confirmed:
-                running, waiting, kv_usage, pending = self._reported.get(rid, (0, 0, 0.0, 0))
-                snap = cache[rid] = ReplicaSnapshot(rid, ongoing, running, waiting, kv_usage,
-                                                    pending + booked.get(rid, 0), confirmed)
+            if snap is None or snap.num_ongoing_requests != ongoing or snap.confirmed_ongoing_requests != confirmed \
+                    or snap.pending_prefill_tokens != pending or snap.unreported_picks != unreported:
+                running, waiting, kv_usage = self._reported.get(rid, (0, 0, 0.0, 0, 0.0))[:3]
+                snap = cache[rid] = ReplicaSnapshot(rid, ongoing, running, waiting, kv_usage, pending, confirmed,
+                                                    unreported)
             out.append(snap)
         return out

@@ -7,8 +7,8 @@ cache stays empty: every router must count its own picks. A pick counts as one r
 on its replica until that replica's next stats report (`record_routing_stats`, stamped
 `reported_s`), whose running + waiting numbers include it from then on.
 
-    PickCounts     picks per replica since its last report, and the prefill tokens they were
-                   booked with (prefix_aware's FleetView uses both)
+    PickCounts     picks per replica since its last report (prefix_aware's FleetView books their
+                   prefill tokens in its backlog, `deployments.routing.backlog`)
     PickOnlyLoad   max(picks since the report, reported running + waiting): the queue a
                    load-balancing baseline (pow2, Ray's prefix router) compares in pick-only mode
 """
@@ -23,7 +23,6 @@ class PickCounts:
 
     def __init__(self) -> None:
         self.picks: dict[str, int] = {}  # read directly on the decision path
-        self.prefill_tokens: dict[str, int] = {}  # ditto: what the picks since the report were booked with
         self._reported_s: dict[str, Any] = {}
 
     def on_report(self, replica_id: str, reported_s: Any) -> bool:
@@ -32,17 +31,13 @@ class PickCounts:
             return False
         self._reported_s[replica_id] = reported_s
         self.picks[replica_id] = 0
-        self.prefill_tokens[replica_id] = 0
         return True
 
-    def book(self, replica_id: str, prefill_tokens: int = 0) -> None:
+    def book(self, replica_id: str) -> None:
         self.picks[replica_id] = self.picks.get(replica_id, 0) + 1
-        if prefill_tokens:
-            self.prefill_tokens[replica_id] = self.prefill_tokens.get(replica_id, 0) + prefill_tokens
 
     def forget(self, replica_id: str) -> None:
         self.picks.pop(replica_id, None)
-        self.prefill_tokens.pop(replica_id, None)
         self._reported_s.pop(replica_id, None)
 
 

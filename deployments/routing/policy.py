@@ -10,9 +10,11 @@ Algorithm, one decision:
 
     candidates   one entry per snapshot (replicas the router may use right now)
     match        index.match(hashes): longest cached prefix per replica, in blocks
-    guard        load(r) = r.num_queued_requests
+    guard        load(r) = r.num_queued_requests  (reported running + waiting, + the router's
+                                                    pick-only picks since the report)
                  pend(r) = r.pending_prefill_tokens  (prompt tokens accepted, not yet prefilled;
-                                                      + the router's picks since the report)
+                                                      + the router's picks since the report,
+                                                      drained at the engine's prefill rate)
                  work(r) = pend(r) + tokens_per_queued_request × load(r)           (tokens)
                  limit   = load_guard_factor × mean(work)
                            + load_guard_slack × tokens_per_queued_request + the prompt's tokens
@@ -55,11 +57,14 @@ queued miss thousands; engines report the uncached tokens they have yet to prefi
 (`deployments.pending_prefill`). Between reports (~1 s) a pick-only router adds its own
 picks (`FleetView.book_pick`): each is one queued request, and its uncached prompt tokens
 beyond one queued request's worth are pending prefill, until the next report includes
-them. The router cannot see a prefill end, so a booking may outlive it by up to a period;
-counting the larger of the two (not their sum) keeps a short cold prompt from costing its
-replica the next request of the same prefix, and with uncached_weight 2 a long one never
-does (its holder's booked N tokens against 2N elsewhere). Engines that report none and
-no booking (pend = 0 everywhere) give exactly the count-only guard.
+them. Counting the larger of the two (not their sum) keeps a short cold prompt from
+costing its replica the next request of the same prefix, and with uncached_weight 2 a
+long one never does (its holder's booked N tokens against 2N elsewhere). The router
+cannot see a prefill end, so it drains the reported and booked tokens at the rate the
+engine reports for its own backlog (`deployments.routing.backlog`): a replica caught
+mid-prefill at its report stops repelling requests once that prefill would be done.
+Engines that report none and no booking (pend = 0 everywhere) give exactly the
+count-only guard.
 
 Consequences, each pinned by a unit test:
 - Affinity never overrides the load guard: a replica holding the whole prefix (or

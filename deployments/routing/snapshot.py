@@ -76,8 +76,12 @@ class ReplicaSnapshot:
     # the router's count is its pick-only choices since the engine's last report, and it
     # cannot see them finish: 0 of them is known (FleetView passes Ray's own count, 0 there).
     confirmed_ongoing_requests: int | None = None
-    # Requests ahead of a new one: whichever of the two views counts more. A field computed
-    # once, not a property: the policy reads it for every replica of every decision.
+    # Pick-only choices since the engine's report, which its running + waiting do not include
+    # yet: they queue on top of the reported load (direct mode; 0 elsewhere).
+    unreported_picks: int = 0
+    # Requests ahead of a new one: whichever of the two views counts more (the engine's view
+    # with the picks it has not reported yet). A field computed once, not a property: the
+    # policy reads it for every replica of every decision.
     num_queued_requests: int = field(init=False)
     # The same without pick-only guesses: what hot-prefix replication sizes demand with. A
     # burst between reports must steer picks (num_queued_requests), but requests that already
@@ -88,7 +92,8 @@ class ReplicaSnapshot:
 
     def __post_init__(self) -> None:
         reported = self.num_running + self.num_waiting
-        object.__setattr__(self, "num_queued_requests", max(self.num_ongoing_requests, reported))
+        object.__setattr__(self, "num_queued_requests",
+                           max(self.num_ongoing_requests, reported + self.unreported_picks))
         confirmed = self.num_ongoing_requests if self.confirmed_ongoing_requests is None \
             else self.confirmed_ongoing_requests
         object.__setattr__(self, "num_confirmed_requests", max(confirmed, reported))

@@ -203,3 +203,41 @@ def test_a_short_cold_prompt_keeps_its_next_request_before_the_report():
     prompt = block_hashes(list(range(200)), BS)
     first = _pick_only(view, prompt)
     assert _pick_only(view, prompt) == first
+
+
+def _spread_of_cold_picks(rate_tokens_per_s: float) -> dict[str, int]:
+    """8 cold 2k-token prompts over one report period (every 1/8 s) on 4 replicas reported equally busy,
+    two of them caught mid-prefill (2,048 tokens pending) at the report: picks per replica."""
+    view = FleetView(RouterState(RoutingConfig(), 16))
+    ids = ("a", "b", "c", "d")
+    view.sync({rid: {"reported_s": 100.0, "num_running": 4, "pending_prefill_tokens": 2048 if rid in "ad" else 0,
+                     "prefill_tokens_per_s": rate_tokens_per_s} for rid in ids}, now_s=100.0)
+    counts = dict.fromkeys(ids, 0)
+    for i in range(8):
+        now_s = 100.0 + (i + 1) / 8
+        hashes = block_hashes([10_000 + i] + list(range(2047)), 16)
+        decision = view.state.rank(hashes, view.snapshots([(rid, None) for rid in ids], now_s=now_s),
+                                   random.Random(i), now_s=now_s)
+        picked = decision.ranked[0]
+        view.book_pick(picked, len(hashes) * 16 - decision.matched_tokens, now_s=now_s)
+        view.state.on_routed(picked, hashes, now_s)
+        counts[picked] += 1
+    return counts
+
+
+def test_cold_prompts_between_reports_spread_evenly_when_the_backlog_drains_at_the_engines_rate():
+    """With the engine's drain rate, a stale mid-prefill report stops repelling picks once drained: 2 picks each."""
+    assert _spread_of_cold_picks(20_000.0) == {"a": 2, "b": 2, "c": 2, "d": 2}
+    undrained = _spread_of_cold_picks(0.0)  # no rate reported: the stale 2,048 tokens count all period
+    assert undrained["a"] + undrained["d"] < 4
+
+
+def test_pick_only_choices_queue_on_top_of_the_reported_load():
+    """Picks since the report are not in its running + waiting: the load is their sum (Ray's own count if larger)."""
+    view = fleet()
+    view.sync({"a": stats(1, num_running=4)})
+    view.book_pick("a")
+    assert view.snapshots([("a", None)])[0].num_queued_requests == 5
+    assert view.snapshots([("a", 9)])[0].num_queued_requests == 9
+    view.sync({"a": stats(2, num_running=5)})  # the report that includes the pick
+    assert view.snapshots([("a", None)])[0].num_queued_requests == 5

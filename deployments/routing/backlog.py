@@ -1,0 +1,58 @@
+"""Prefill tokens ahead of a new request on each replica, drained between reports at the engine's rate.
+
+Why: a replica's report (pending prefill tokens, `deployments.pending_prefill`) is up to a
+stats period (~1 s) old when the router reads it, plus the picks this router booked since.
+Read as is, a replica caught mid-prefill at its report looks loaded for the whole period,
+though a 2k-token prefill ends in ~0.1 s on a GPU; the picks of that period then herd onto
+the others. On random prompts on 4 H200 replicas round robin's TTFT p90 was 0.270 s against
+prefix_aware's 0.438 (h200-session-2026-12-02c).
+
+A fluid queue per replica, in wall-clock seconds (the engines stamp reports with theirs):
+
+    report       backlog = reported tokens − rate × (now − reported_s)   (age clamped to [0, max_age_s])
+    book(t)      backlog = drained(now) + t                               (a pick-only choice's prefill)
+    drained(now) max(0, backlog − rate × (now − last update))
+
+with `rate` the engine's own measured drain rate (`prefill_tokens_per_s` in its report). An
+engine that reports no rate (0, older builds) is not drained: backlog = reported + booked,
+exactly the undrained view. A drained value is rounded up to `quantum_tokens`, so the
+router's per-replica snapshot (rebuilt only when a number changes) is not rebuilt at every
+decision as the value slides.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class PrefillBacklog:
+    """replica → (tokens, as of when, drain rate tokens/s)."""
+
+    def __init__(self, quantum_tokens: int = 64, max_age_s: float = 5.0) -> None:
+        self._state: dict[str, tuple[float, float, float]] = {}
+        self._quantum = quantum_tokens
+        self._max_age_s = max_age_s
+
+    def on_report(self, replica_id: str, tokens: int, rate_tokens_per_s: float, reported_s: float,
+                  now_s: float) -> None:
+        """A new report: the engine's backlog at `reported_s`, drained to `now_s` (its booked picks are in it)."""
+        rate = max(0.0, rate_tokens_per_s)
+        age_s = min(max(0.0, now_s - reported_s), self._max_age_s)  # clock skew between hosts: clamp
+        self._state[replica_id] = (max(0.0, tokens - rate * age_s), now_s, rate)
+
+    def book(self, replica_id: str, tokens: int, now_s: float) -> None:
+        """This router sent `tokens` of prefill there (pick-only): on top of what is left."""
+        left, since_s, rate = self._state.get(replica_id, (0.0, now_s, 0.0))
+        left = max(0.0, left - rate * max(0.0, now_s - since_s))
+        self._state[replica_id] = (left + tokens, now_s, rate)
+
+    def tokens(self, replica_id: str, now_s: float) -> int:
+        """The backlog now, rounded up to the quantum once drained (exact when the engine reports no rate)."""
+        tokens, since_s, rate = self._state.get(replica_id, (0.0, now_s, 0.0))
+        if not rate:
+            return int(tokens)
+        left = max(0.0, tokens - rate * max(0.0, now_s - since_s))
+        return int(math.ceil(left / self._quantum) * self._quantum)
+
+    def forget(self, replica_id: str) -> None:
+        self._state.pop(replica_id, None)
