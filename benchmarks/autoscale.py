@@ -524,7 +524,7 @@ def markdown(rows: Sequence[Mapping[str, Any]], details: Mapping[str, Mapping[st
         f"Cluster: {config_desc}.",
         f"Trace: {trace.low_s:.0f} s at {trace.low_rate} req/s → {trace.high_s:.0f} s at {trace.high_rate} req/s → "
         f"{trace.tail_s:.0f} s at {trace.low_rate} req/s of KV-filling requests (~{trace.load_prompt_words} words, "
-        f"{trace.load_output_tokens} output tokens, streamed), plus a hot-prefix probe (1 output token) every "
+        f"{trace.load_output_tokens} output tokens, streamed), plus a hot-prefix probe (a ~{trace.hot_prefix_words}-word shared prefix, 1 output token) every "
         f"{trace.probe_interval_s} s whose latency is its TTFT. SLO: TTFT ≤ {slo_ttft_s:g} s (load and probes; "
         "a failed request misses it).", "",
         f"| variant | replica-seconds | max replicas | step → decision (s) | saturation → decision (s) "
@@ -641,6 +641,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tail-s", type=float, default=Trace.tail_s)
     parser.add_argument("--low-rate", type=float, default=Trace.low_rate)
     parser.add_argument("--high-rate", type=float, default=Trace.high_rate)
+    parser.add_argument("--hot-prefix-words", type=int, default=Trace.hot_prefix_words,
+                        help="the hot probes' shared prefix; warm start only saves what its prefill costs "
+                             "(on an H200 the demo model prefills 500 words in ~1 ms)")
+    parser.add_argument("--load-prompt-words", type=int, default=Trace.load_prompt_words)
     parser.add_argument("--out-dir", help="write autoscale.json, report.md and timeline.png here")
     parser.add_argument("--out", help="deprecated: DIR (as --out-dir), or FILE.md meaning the directory FILE")
     args = parser.parse_args(argv)
@@ -649,7 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {VARIANT_NAMES}")
     trace = Trace(low_s=args.low_s, high_s=args.high_s, tail_s=args.tail_s, low_rate=args.low_rate,
-                  high_rate=args.high_rate)
+                  high_rate=args.high_rate, hot_prefix_words=args.hot_prefix_words,
+                  load_prompt_words=args.load_prompt_words)
     overrides = [*([] if args.config else CPU_OVERRIDES), *TRACE_OVERRIDES, *args.overrides]
     out_dir = out_dir_of(args.out_dir, args.out)
     if out_dir:

@@ -179,13 +179,21 @@ autoscale)  # AUTOSCALE_GPU_SHARE: GPU per replica (0.5 = two per GPU on the x2;
   startup_stacks & stacks=$!
   ngpu=$(nvidia-smi -L | wc -l); share=${AUTOSCALE_GPU_SHARE:-0.5}; kv=${AUTOSCALE_KV_BYTES:-33554432}
   amin=${AUTOSCALE_MIN:-1}; amax=${AUTOSCALE_MAX:-4}  # 2 and 8 on the x8 kind (#14)
-  python3 -m kvtide.benchmarks.autoscale --config "$REPO/cluster/configs/gpu-demo.yaml" \
+  # AUTOSCALE_8B=1: the 8B shape instead of the demo model, so that a hot prefix's prefill costs
+  # something a warm start can save (set AUTOSCALE_KV_BYTES, e.g. 2147483648, and TRACE_ARGS'
+  # --hot-prefix-words, e.g. 4000); the demo model prefills 500 words in ~1 ms on an H200.
+  model=(--set engine.max_model_len=2048); what="demo model"
+  if [ "${AUTOSCALE_8B:-0}" = 1 ]; then
+    build_8b; what="Llama-3.1-8B shape"
+    model=(--set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape --set engine.max_model_len=8192)
+  fi
+  python3 -m kvtide.benchmarks.autoscale --config "$REPO/cluster/configs/gpu-demo.yaml" "${model[@]}" \
       --set replicas.num_replicas=null --set replicas.min_replicas="$amin" --set replicas.max_replicas="$amax" \
       --set resources.gpus_per_worker="$share" --set engine.gpu_memory_utilization=null \
-      --set engine.kv_cache_memory_bytes="$kv" --set engine.max_model_len=2048 --set autoscaling.max_step=3 \
+      --set engine.kv_cache_memory_bytes="$kv" --set autoscaling.max_step=3 \
       --set http.port=8300 --set metrics.port=8390 --variants "${VARIANTS:-kv,queue_length,kv-cold,fixed-max}" \
       --high-rate "${HIGH_RATE:-20}" --queue-target-ongoing "${QUEUE_TARGET:-2}" --warm-caches ${TRACE_ARGS:-} \
-      --hardware "$ngpu × NVIDIA H200, demo model, $amin to $amax replicas ($share GPU and $((kv / 1048576)) MiB of KV each)" \
+      --hardware "$ngpu × NVIDIA H200, $what, $amin to $amax replicas ($share GPU and $((kv / 1048576)) MiB of KV each)" \
       --out-dir "$RES/autoscale" > "$RES/autoscale.log" 2>&1
   echo "autoscale: exit $?" >> "$RES/driver-notes.txt"
   kill $stacks
