@@ -41,7 +41,7 @@ from kvtide.config.routing import RoutingConfig
 # `observe layer4 error-limit 3`); see KvtideConfig.ray_process_env.
 HAPROXY_MARK_DOWN_ERRORS = 3
 # HAProxy's retry-on in direct mode (the reason is at its use in ray_process_env).
-HAPROXY_RETRY_ON = "conn-failure empty-response"
+HAPROXY_RETRY_ON = "conn-failure empty-response junk-response 503"
 
 # The demo model's name in configs; resolved to its local cache dir by kvtide.deployments.demo_model.
 DEMO_MODEL = "demo"
@@ -279,6 +279,12 @@ class KvtideConfig(Strict):
                 # refused connections only, as a repeat could run a non-idempotent request twice;
                 # a completion has no side effect, and the client got nothing from the first. The
                 # body is buffered (tune.bufsize above), so HAProxy can send it again.
+                # And a 503 from a replica: kvtide answers 503 only as "engine_unavailable, retry it"
+                # (its engine died or failed before the response began), which another replica can
+                # serve. The kill test saw it: a killed replica's engine core went first and the
+                # replica answered 4 of 8 requests of the window with it before its process died.
+                # junk-response: a reply cut off in its headers, for the same reason. A stream that
+                # already began is never retried (its 200 went out; a failure then is an SSE event).
                 "RAY_SERVE_HAPROXY_RETRY_ON": HAPROXY_RETRY_ON,
             })
         return env

@@ -412,8 +412,9 @@ def test_killed_engine_replica_ends_streams_cleanly_and_the_fleet_recovers(kill_
         killed_at = time.monotonic()
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         # Requests sent before Serve has noticed the death can still be pinned to the dead
-        # replica: HAProxy retries them on another (a refused connection, or one closed with no
-        # response: RAY_SERVE_HAPROXY_RETRY_ON), so none fails.
+        # replica: HAProxy retries them on another (a refused connection, one closed with no
+        # response, or the dying replica's own 503 once its engine core is gone:
+        # RAY_SERVE_HAPROXY_RETRY_ON), so none fails.
         with ThreadPoolExecutor(8) as window_pool:
             in_window = list(window_pool.map(
                 lambda i: client.post("/v1/completions", json={"model": KILL_APP, "prompt": f"window {i}",

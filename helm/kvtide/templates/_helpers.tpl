@@ -224,7 +224,7 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
 - name: RAY_SERVE_HAPROXY_RETRIES
   value: {{ add 3 (dig "ingress" "admission" "max_retries" 2 .Values.kvtide | int64) | toString | quote }}
 - name: RAY_SERVE_HAPROXY_RETRY_ON
-  value: "conn-failure empty-response"
+  value: "conn-failure empty-response junk-response 503"
 {{- end }}
 - name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
   value: "2"
