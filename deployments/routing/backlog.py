@@ -42,17 +42,20 @@ class PrefillBacklog:
 
     def book(self, replica_id: str, tokens: int, now_s: float) -> None:
         """This router sent `tokens` of prefill there (pick-only): on top of what is left."""
-        left, since_s, rate = self._state.get(replica_id, (0.0, now_s, 0.0))
-        left = max(0.0, left - rate * max(0.0, now_s - since_s))
+        left, rate = self._left(replica_id, now_s)
         self._state[replica_id] = (left + tokens, now_s, rate)
 
     def tokens(self, replica_id: str, now_s: float) -> int:
         """The backlog now, rounded up to the quantum once drained (exact when the engine reports no rate)."""
-        tokens, since_s, rate = self._state.get(replica_id, (0.0, now_s, 0.0))
+        left, rate = self._left(replica_id, now_s)
         if not rate:
-            return int(tokens)
-        left = max(0.0, tokens - rate * max(0.0, now_s - since_s))
+            return int(left)
         return int(math.ceil(left / self._quantum) * self._quantum)
+
+    def _left(self, replica_id: str, now_s: float) -> tuple[float, float]:
+        """(tokens left at `now_s`, drain rate): the last value drained for the time since it was set."""
+        tokens, since_s, rate = self._state.get(replica_id, (0.0, now_s, 0.0))
+        return max(0.0, tokens - rate * max(0.0, now_s - since_s)), rate
 
     def forget(self, replica_id: str) -> None:
         self._state.pop(replica_id, None)
