@@ -363,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
             with ctx as base_url:
                 if args.ttft_paths and server in PATH_PROBES:
                     paths.update(ttft_paths(PATH_PROBES[server], args.port, config.model_name, args.ttft_paths))
+                    # The engine's own TTFT histograms after the one-stream probes: replica − bare split
+                    # into the engine's time (vLLM's arrival → first token) and the rest.
+                    metrics_url = (f"http://127.0.0.1:{args.metrics_port}/metrics" if server == "kvtide"
+                                   else f"{base_url}/metrics")
+                    save_metrics(metrics_url, log_dir / f"{server}-metrics-after-paths.txt")
                 results[server] = measure(base_url, config.model_name, args, tokens_per_word)
                 if args.vllm_bench:
                     bench[server] = vllm_bench_serve(base_url, config.model_name, model_path, args.vllm_bench,
@@ -393,6 +398,14 @@ def ttft_paths(probe: str, port: int, model: str, rounds: int) -> dict[str, dict
     out = {path: {**summarize(samples), "n": len(samples)} for path, samples in samples_by_path.items()}
     print(f"overhead: ttft paths {out}", flush=True)
     return out
+
+
+def save_metrics(url: str, path: Path) -> None:
+    """The Prometheus text at `url`, kept beside the report (a scrape that fails is noted, not fatal)."""
+    try:
+        path.write_text(httpx.get(url, timeout=10.0).text)
+    except httpx.HTTPError as exc:
+        print(f"overhead: metrics from {url} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
 def paths_markdown(paths: dict[str, dict[str, Any]], rounds: int) -> str:
