@@ -3,7 +3,8 @@
     python -m kvtide.benchmarks.ttft_paths kvtide [-n 80]      (a running `kvtide serve`, one engine replica)
     python -m kvtide.benchmarks.ttft_paths bare --port 8600     (a bare vLLM server with the same engine flags)
 
-For kvtide, each round sends three requests with fresh ~512-token prompts (no prefix-cache hits):
+For kvtide, each round sends three requests with fresh 480-word prompts (~1,100 tokens of the
+demo tokenizer; no prefix-cache hits), the full path first in even rounds and last in odd ones:
     full     client → HAProxy → (Lua: consult the routing peer) → engine replica → first token
     consult  client → routing peer's POST /internal/route alone (a new connection each time, as
              HAProxy's Lua opens one per request)
@@ -87,6 +88,17 @@ def describe(samples_s: list[float]) -> str:
             f"p75 {ms[3 * len(ms) // 4]:.1f}, min {ms[0]:.1f}")
 
 
+def round_order(round_index: int) -> tuple[str, ...]:
+    """The order of kvtide's three paths in a round: the full path first, then last, in turn.
+
+    A request sent straight after another meets the engine and the processes still busy with
+    the last one (seen on CPU: whichever path went second read up to ~10 ms slower), so neither
+    the full path nor the replica alone may always pay it. The consult precedes the replica
+    request: it supplies that request's headers.
+    """
+    return ("full", "consult", "replica") if round_index % 2 == 0 else ("consult", "replica", "full")
+
+
 def measure_paths(server: str, port: int, model: str, rounds: int, seed: int = 1) -> dict[str, list[float]]:
     """Path name → first-token seconds over `rounds` rounds (after 5 unmeasured ones), one request at a time.
 
@@ -101,10 +113,15 @@ def measure_paths(server: str, port: int, model: str, rounds: int, seed: int = 1
         if server == "bare":
             got = {"bare": first_token_s(port, request_body(rng, model, 3 * i))}
         else:
-            full = first_token_s(port, request_body(rng, model, 3 * i))
-            body = request_body(rng, model, 3 * i + 1)
-            consult, headers = consult_s(peer_port, body)
-            got = {"full": full, "consult": consult, "replica": first_token_s(replica_port, body, headers)}
+            got = {}
+            for path in round_order(i):
+                if path == "full":
+                    got["full"] = first_token_s(port, request_body(rng, model, 3 * i))
+                elif path == "consult":
+                    body = request_body(rng, model, 3 * i + 1)
+                    got["consult"], headers = consult_s(peer_port, body)
+                else:
+                    got["replica"] = first_token_s(replica_port, body, headers)
         if i >= 0:
             for path, seconds in got.items():
                 if seconds is not None:

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kvtide.benchmarks.ttft_paths import describe, direct_mode_ports, request_body
+from kvtide.benchmarks.ttft_paths import describe, direct_mode_ports, request_body, round_order
 
 LUA = '''local ROUTERS = {
     ["http-kvtide"] = { { host = "127.0.0.1", port = 30000, host_header = "127.0.0.1:30000" } }
@@ -39,3 +39,10 @@ def test_prompts_differ_from_their_first_token_and_ask_for_token_ids():
 def test_describe_reports_milliseconds_by_rank():
     """describe gives n, p50, p25, p75 and min in milliseconds."""
     assert describe([0.010, 0.020, 0.030, 0.040]) == "n=4 p50 25.0 ms, p25 20.0, p75 40.0, min 10.0"
+
+
+def test_rounds_alternate_whether_the_full_path_goes_first_and_consult_precedes_replica():
+    """Even rounds measure the full path first, odd rounds last; the consult always comes just before the replica request."""
+    assert round_order(0) == ("full", "consult", "replica")
+    assert round_order(1) == ("consult", "replica", "full")
+    assert round_order(-5) == round_order(1)
