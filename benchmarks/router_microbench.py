@@ -20,11 +20,12 @@ U(0.9, 1.1) (Ray's jitter), and the controller pushes what it collected once per
 Headline, "decision latency": one event loop in virtual time runs what the router's loop runs,
 each item timed for real with `time.perf_counter_ns` -- a push (queue its digests), digest
 slices of `--slice-blocks` blocks (each schedules the next with `call_soon`, so it runs before
-what arrived meanwhile), a decision (`rank_replicas`, then `RouterState.on_routed`) -- and a
+what arrived meanwhile), a decision (the replicas' snapshots with their prefill backlogs drained
+to now, `rank_replicas`, then `RouterState.on_routed` and the pick's booking) -- and a
 decision's latency runs from its arrival to the end of its ranking: its own work plus any wait
 behind a slice, a push or an earlier decision. The same seeded load runs again with each push
-applied at once, for comparison. Also reported: `rank_replicas` alone, one slice, one push at
-once, a full resync, the bookkeeping after a pick and the request's `block_hashes` (once per
+applied at once, for comparison. Also reported: the decision's own work (snapshots +
+`rank_replicas`), one slice, one push at once, a full resync, the bookkeeping after a pick and the request's `block_hashes` (once per
 request at the ingress).
 `--protocol full` makes every report a full set applied as such (the protocol before deltas).
 
@@ -72,9 +73,31 @@ def _request_tokens(rng: random.Random, num_blocks: int, block_size: int, num_pr
     return prompt + history + fresh, (f"user-{user}" if history_blocks else None)
 
 
-def _loads(rng: random.Random, replicas: list[str]) -> list[ReplicaSnapshot]:
+def _loads(rng: random.Random, replicas: list[str]) -> list[tuple[str, int]]:
     # Loads around a mean of 8 in flight per replica, spread like a busy but healthy fleet.
-    return [ReplicaSnapshot(r, max(0, round(rng.gauss(8, 3)))) for r in replicas]
+    return [(r, max(0, round(rng.gauss(8, 3)))) for r in replicas]
+
+
+class _InFlight:
+    """The router's in-flight count per replica, as it evolves: each decision adds one request
+    where it went and one finishes somewhere (a steady ~8 per replica), so between two
+    decisions two replicas' counts change, as in a router's queue-length cache."""
+
+    def __init__(self, rng: random.Random, replicas: list[str]):
+        self._rng = rng
+        self.counts = dict(_loads(rng, replicas))
+
+    def on_decision(self, replica_id: str) -> None:
+        self.counts[replica_id] += 1
+        busy = [rid for rid, n in self.counts.items() if n]
+        self.counts[busy[self._rng.randrange(len(busy))]] -= 1
+
+
+def _load_report(rng: random.Random, reported_s: float) -> dict:
+    """An engine's load fields in its routing stats: some prefill pending, drained at an H200-like rate."""
+    return {"num_running": max(0, round(rng.gauss(8, 3))), "num_waiting": max(0, round(rng.gauss(1, 1))),
+            "kv_usage_perc": rng.uniform(0.3, 0.9), "pending_prefill_tokens": rng.randrange(0, 8192),
+            "prefill_tokens_per_s": 20_000.0, "reported_s": reported_s}
 
 
 class _Engines:
@@ -156,7 +179,8 @@ def build_state(args: argparse.Namespace) -> tuple[RouterState, _Engines, list[R
         if engines.num_held >= args.indexed_blocks:
             break
         hashes, session = requests[rng.randrange(len(requests))]
-        rid = state.rank(hashes, _loads(rng, replicas), rng, now_s=now_s, session_key=session).ranked[0]
+        snapshots = [ReplicaSnapshot(r, ongoing) for r, ongoing in _loads(rng, replicas)]
+        rid = state.rank(hashes, snapshots, rng, now_s=now_s, session_key=session).ranked[0]
         state.on_routed(rid, hashes, now_s, session)
         engines.store(rid, hashes)
         now_s += step_s
@@ -189,6 +213,7 @@ def _timeline(args: argparse.Namespace, slice_blocks: int | None) -> dict:
     report = engines.full_digest if args.protocol == "full" else engines.digest
     arrivals = random.Random(args.seed + 2)
     stats: dict[str, dict] = {}  # what Ray hands over at a push: every replica's latest stats
+    in_flight = _InFlight(random.Random(args.seed + 3), replicas)
 
     latency_ns, rank_ns, routed_ns, push_ns, slice_ns, outcomes = [], [], [], [], [], defaultdict(int)
     replicated = sticky = delta_changes = waited = num_digests = 0
@@ -207,7 +232,7 @@ def _timeline(args: argparse.Namespace, slice_blocks: int | None) -> dict:
                     digest = report(rid, pushes.next_push_s - CONTROL_LOOP_S)  # the engine's work, untimed
                     delta_changes += digest.deltas[-1].num_changes if digest.deltas else 0
                     num_digests += 1
-                    stats[rid] = {"digest": digest}
+                    stats[rid] = {"digest": digest, **_load_report(rng, pushes.next_push_s - CONTROL_LOOP_S)}
                 ready.append(("push",))
             elif next_arrival_s <= loop_s:
                 ready.append(("decision", next_arrival_s))
@@ -217,7 +242,7 @@ def _timeline(args: argparse.Namespace, slice_blocks: int | None) -> dict:
         item = ready.popleft()
         if item[0] == "push":
             t = time.perf_counter_ns()
-            fleet.sync(stats)  # at once: applies here; sliced: queues
+            fleet.sync(stats, now_s=loop_s)  # at once: applies here; sliced: queues
             elapsed = time.perf_counter_ns() - t
             push_ns.append(elapsed)
             loop_s += elapsed / 1e9
@@ -238,12 +263,16 @@ def _timeline(args: argparse.Namespace, slice_blocks: int | None) -> dict:
             arrival_s = item[1]
             waited += loop_s > arrival_s
             hashes, session = requests[rng.randrange(len(requests))]
-            snapshots = _loads(rng, replicas)
             t0 = time.perf_counter_ns()
+            # As the Ray adapter does: snapshots with each replica's prefill backlog drained to now,
+            # then the ranking; after the pick, the bookkeeping and the pick's prefill booked.
+            snapshots = fleet.snapshots(in_flight.counts.items(), now_s=loop_s)
             decision = state.rank(hashes, snapshots, rng, now_s=loop_s, session_key=session)
             t1 = time.perf_counter_ns()
             state.on_routed(decision.ranked[0], hashes, loop_s, session)
+            fleet.book_pick(decision.ranked[0], len(hashes) * args.block_size - decision.matched_tokens, now_s=loop_s)
             t2 = time.perf_counter_ns()
+            in_flight.on_decision(decision.ranked[0])  # the requests' own life, untimed
             rank_ns.append(t1 - t0)
             routed_ns.append(t2 - t1)
             latency_ns.append(round((loop_s - arrival_s) * 1e9) + t1 - t0)
@@ -332,8 +361,9 @@ Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Py
 
 Method: one event loop in virtual time runs what the router's loop runs, each item timed for
 real: pushes (queue the digests), digest slices of {args.slice_blocks} blocks (each schedules the next
-with `call_soon`, so it runs before what arrived meanwhile), and decisions (`rank_replicas`, then
-the bookkeeping). A decision's latency runs from its arrival to the end of its ranking, so it
+with `call_soon`, so it runs before what arrived meanwhile), and decisions (the replicas'
+snapshots with their prefill backlogs drained to now and `rank_replicas`, then the bookkeeping).
+A decision's latency runs from its arrival to the end of its ranking, so it
 includes any wait behind a slice, a push or an earlier decision. The same seeded load is run a
 second time with every push applied at once (before slicing).
 
@@ -341,11 +371,11 @@ second time with every push applied at once (before slicing).
 |---|---:|---:|
 | **decision latency, digests applied in slices** (headline; {result['decisions_that_waited']:,} of {args.decisions:,} waited) | **{headline['p50']}** | **{headline['p99']}** |
 | decision latency, each push applied at once ({once['decisions_that_waited']:,} waited) | {once['decision_latency_us']['p50']} | {once['decision_latency_us']['p99']} |
-{row("`rank_replicas` alone (match + replicate + score + sort)", rank)}
+{row("the decision alone: `FleetView.snapshots` (backlogs drained) + `rank_replicas`", rank)}
 {row(f"one digest slice ({args.slice_blocks} blocks)", result['slice_us'])}
 {row("one push applied at once", once['push_us'])}
 | one full set applied (a router's resync after a gap, at once; not in the loop) | {result['full_resync_us']['p50']} | {result['full_resync_us']['p99']} |
-{row("`RouterState.on_routed` (bookkeeping after the pick)", result['on_routed_us'])}
+{row("`RouterState.on_routed` + `FleetView.book_pick` (bookkeeping after the pick)", result['on_routed_us'])}
 {row("`block_hashes` of 2,048 tokens (once per request, ingress)", result['block_hashes_2048_tokens_us'])}
 
 The loop spent {100 * result['digest_busy_share']:.2f} % of the time on digests.

@@ -72,7 +72,7 @@ class FleetView:
         self._reported: dict[str, tuple[int, int, float, int, float]] = {}
         self._picks = PickCounts()  # pick-only choices since each replica's last report
         self._backlog = PrefillBacklog()  # prefill tokens ahead, reported + booked, drained between reports
-        self._snapshots: dict[str, ReplicaSnapshot] = {}
+        self._snapshots: dict[str, tuple[tuple[int, int, int], ReplicaSnapshot]] = {}  # replica → (inputs, snapshot)
         self._digest_s: dict[str, float] = {}  # replica → engine timestamp of its newest applied digest
 
     def sync(self, stats_by_replica: Mapping[str, Mapping[str, Any]], now_s: float | None = None) -> None:
@@ -185,17 +185,16 @@ class FleetView:
         """
         now_s = time.time() if now_s is None else now_s
         out = []
-        cache, picks, backlog = self._snapshots, self._picks.picks, self._backlog
+        cache, picks, pending_tokens = self._snapshots, self._picks.picks, self._backlog.tokens
+        # Runs for every replica of every decision: a snapshot is rebuilt only when one of its
+        # inputs changed, found by comparing them as one tuple.
         for rid, confirmed in in_flight:
-            confirmed = confirmed or 0
-            unreported = picks.get(rid, 0)
-            ongoing = max(confirmed, unreported)
-            pending = backlog.tokens(rid, now_s)
-            snap = cache.get(rid)
-            if snap is None or snap.num_ongoing_requests != ongoing or snap.confirmed_ongoing_requests != confirmed \
-                    or snap.pending_prefill_tokens != pending or snap.unreported_picks != unreported:
+            key = (confirmed or 0, picks.get(rid, 0), pending_tokens(rid, now_s))
+            cached = cache.get(rid)
+            if cached is None or cached[0] != key:
+                confirmed, unreported, pending = key
                 running, waiting, kv_usage = self._reported.get(rid, (0, 0, 0.0, 0, 0.0))[:3]
-                snap = cache[rid] = ReplicaSnapshot(rid, ongoing, running, waiting, kv_usage, pending, confirmed,
-                                                    unreported)
-            out.append(snap)
+                cached = cache[rid] = (key, ReplicaSnapshot(rid, max(confirmed, unreported), running, waiting,
+                                                            kv_usage, pending, confirmed, unreported))
+            out.append(cached[1])
         return out

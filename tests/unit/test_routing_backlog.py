@@ -50,3 +50,15 @@ def test_drained_values_round_up_to_the_quantum():
     assert backlog.tokens("a", 1.0) == 0
     backlog.forget("a")
     assert backlog.tokens("a", 0.0) == 0
+
+
+def test_a_drained_backlog_stays_empty_until_a_report_or_booking_refills_it():
+    """Past its empty time a backlog reads 0 (also for a query just before it was set); a booking restarts it."""
+    backlog = PrefillBacklog(quantum_tokens=1)
+    backlog.on_report("a", 500, 1000.0, reported_s=10.0, now_s=10.0)
+    assert backlog.tokens("a", 10.5) == 0 and backlog.tokens("a", 99.0) == 0
+    backlog.book("a", 300, now_s=100.0)
+    assert backlog.tokens("a", 100.125) == 175
+    backlog.on_report("b", 0, 0.0, reported_s=5.0, now_s=5.0)
+    assert backlog.tokens("b", 4.0) == 0 and backlog.tokens("b", 6.0) == 0
+    assert PrefillBacklog().tokens("never-reported", 1.0) == 0
