@@ -4,6 +4,7 @@
 # staged by stage-vllm029.sh, so that Ray Serve LLM's ray_kv and ray_prefix run too). Each stage works in /tmp/work
 # and leaves at most a few files in $OUT (the device returns 8 at most): its report, its
 # JSON and one tarball of logs.
+#   (stage first: bash benchmarks/h200/stage-all.sh)
 #   bash benchmarks/h200/run.sh placement      N TP=1 replicas on N GPUs; 4 replicas on 2 GPUs (x2 kind)
 #   bash benchmarks/h200/run.sh overhead-demo  kvtide direct / ingress vs bare vLLM, demo model, one GPU
 #                                              (SERVERS, CONCURRENCY, NUM_REQUESTS, OVERHEAD_DURATION narrow it)
