@@ -53,9 +53,13 @@ _HASH_TYPECODE = "Q"
 assert array(_HASH_TYPECODE).itemsize == 8
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ReplicaSnapshot:
     """One replica's load as the router sees it at decision time.
+
+    Treated as immutable (FleetView caches and shares them across decisions) but not frozen:
+    FleetView rebuilds several per decision, and a frozen dataclass's construction (every field
+    through object.__setattr__) cost 1.8 µs against 0.8 µs.
 
     `num_ongoing_requests` is the router's own count (requests it has in flight on
     that replica, fresh at every decision); `num_running`/`num_waiting`/`kv_usage_perc`/
@@ -92,11 +96,10 @@ class ReplicaSnapshot:
 
     def __post_init__(self) -> None:
         reported = self.num_running + self.num_waiting
-        object.__setattr__(self, "num_queued_requests",
-                           max(self.num_ongoing_requests, reported + self.unreported_picks))
+        self.num_queued_requests = max(self.num_ongoing_requests, reported + self.unreported_picks)
         confirmed = self.num_ongoing_requests if self.confirmed_ongoing_requests is None \
             else self.confirmed_ongoing_requests
-        object.__setattr__(self, "num_confirmed_requests", max(confirmed, reported))
+        self.num_confirmed_requests = max(confirmed, reported)
 
 
 def pack_hashes(hashes: Iterable[BlockHash]) -> bytes:

@@ -22,7 +22,7 @@ from kvtide.deployments.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.messages import RoutingKey
 from kvtide.deployments.prompts import ROUTED_TOKENS_HEADER, PromptBuilder
 from kvtide.deployments.router import PrefixAwareRouter
-from kvtide.deployments.router_peer import RouterPeer, route_headers
+from kvtide.deployments.router_peer import RouterPeer, route_app, route_headers
 from kvtide.deployments.routing.block_hash import block_hashes
 from kvtide.deployments.routing.snapshot import CacheDigest
 from kvtide.deployments.routing.trust import (
@@ -93,3 +93,46 @@ def test_route_headers_add_the_prediction_only_when_the_router_wrote_one():
     write_prediction(key.decision, "b", 0)
     headers = route_headers(prompts, [1, 2, 3], key)
     assert decode_prediction_header(headers[PREDICTED_CACHED_TOKENS_HEADER]) == Prediction("b", 0)
+
+
+def _call_app(app, scope: dict, messages: list[dict]) -> list[dict]:
+    """Drive an ASGI app with `messages` to receive; what it sent."""
+    sent, pending = [], list(messages)
+
+    async def receive():
+        return pending.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    return sent
+
+
+def test_the_peer_app_answers_a_post_of_the_route_with_the_routes_json_and_its_length():
+    """POST /internal/route: the body (in chunks) and the session header reach route(); 200 JSON with content-length."""
+    seen = []
+
+    async def route(body: bytes, session: str | None) -> dict:
+        seen.append((body, session))
+        return {"replica_id": "SERVE_REPLICA::app#Engine#a", "request_headers": {"x-k": "v"}}
+
+    scope = {"type": "http", "method": "POST", "path": "/internal/route",
+             "headers": [(b"content-type", b"application/json"), (b"x-session-id", b"user-7")]}
+    start, body = _call_app(route_app(route), scope, [
+        {"type": "http.request", "body": b'{"a":', "more_body": True}, {"type": "http.request", "body": b"1}"}])
+    assert seen == [(b'{"a":1}', "user-7")]
+    assert start["status"] == 200 and (b"content-length", str(len(body["body"])).encode()) in start["headers"]
+    assert json.loads(body["body"]) == {"replica_id": "SERVE_REPLICA::app#Engine#a", "request_headers": {"x-k": "v"}}
+
+
+def test_the_peer_app_refuses_other_paths_and_completes_its_lifespan():
+    """A GET or another path is a 404 JSON without calling route(); Serve's lifespan startup/shutdown complete."""
+    async def route(body: bytes, session: str | None) -> dict:
+        raise AssertionError("route() must not run")
+
+    app = route_app(route)
+    start, body = _call_app(app, {"type": "http", "method": "GET", "path": "/internal/route", "headers": []}, [])
+    assert start["status"] == 404 and "POST /internal/route" in json.loads(body["body"])["error"]
+    sent = _call_app(app, {"type": "lifespan"}, [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])
+    assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
