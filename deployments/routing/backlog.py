@@ -18,8 +18,8 @@ engine that reports no rate (0, older builds) is not drained: backlog = reported
 exactly the undrained view. A drained value is rounded up to `quantum_tokens` (256: ~13 ms
 of an H200's prefill of an 8B model, below what a routing choice can tell apart), so the
 router's per-replica snapshot (rebuilt only when a number changes) is not rebuilt at every
-decision as the value slides: the rebuilds were ~a third of a decision at 32 replicas
-(benchmarks/router_microbench.py).
+decision as the value slides (building the snapshots was ~a third of a decision at 32
+replicas; benchmarks/router_microbench.py).
 """
 
 from __future__ import annotations
