@@ -298,8 +298,19 @@ def _engine_core_processes(app: str) -> list[psutil.Process]:
 def test_each_engine_cores_spinning_main_thread_is_pinned_to_its_replicas_own_core(cluster):
     """On CPU the main thread of each replica's vLLM engine core runs only on that engine's one core (the two engines' differ); its I/O threads stay free."""
     # Earlier tests may have replaced a replica: wait until both engines run, each with its engine core.
-    wait_for(lambda: running_engines("kvtide") == 2 and len(_engine_core_processes("kvtide")) == 2, 300, 1.0,
-             "both session engines with their engine cores")
+    # The state is kept so that a timeout says which half failed (a flake of 2026-12-02 only said False).
+    seen = {}
+
+    def both_engines_with_cores() -> bool:
+        seen["running"] = running_engines("kvtide")
+        seen["engine replicas"] = _replica_pids("kvtide").get("Engine", [])
+        seen["engine cores"] = [p.pid for p in _engine_core_processes("kvtide")]
+        return seen["running"] == 2 and len(seen["engine cores"]) == 2
+
+    try:
+        wait_for(both_engines_with_cores, 300, 1.0, "both session engines with their engine cores")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last seen: {seen}") from None
     cores = []
     for engine_core in _engine_core_processes("kvtide"):
         main = frozenset(engine_core.cpu_affinity())  # a pid's affinity is its main thread's
