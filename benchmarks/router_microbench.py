@@ -25,8 +25,8 @@ to now, `rank_replicas`, then `RouterState.on_routed` and the pick's booking) --
 decision's latency runs from its arrival to the end of its ranking: its own work plus any wait
 behind a slice, a push or an earlier decision. The same seeded load runs again with each push
 applied at once, for comparison. Also reported: the decision's own work (snapshots +
-`rank_replicas`), one slice, one push at once, a full resync, the bookkeeping after a pick and the request's `block_hashes` (once per
-request at the ingress).
+`rank_replicas`), one slice, one push at once, a full resync, the bookkeeping after a pick and
+the request's `block_hashes` (once per request at the ingress).
 `--protocol full` makes every report a full set applied as such (the protocol before deltas).
 
     .venv/bin/python -m kvtide.benchmarks.router_microbench --out benchmarks/results/router_microbench.md
@@ -291,7 +291,7 @@ def _timeline(args: argparse.Namespace, slice_blocks: int | None) -> dict:
     return {
         "decision_latency_us": _us(latency_ns),
         "decisions_that_waited": waited,
-        "rank_replicas_us": _us(rank_ns),
+        "rank_replicas_us": _us(rank_ns),  # the decision's own work: snapshots + rank_replicas (key kept)
         "on_routed_us": _us(routed_ns),
         "push_us": _us(push_ns),
         "slice_us": _us(slice_ns),

@@ -93,7 +93,8 @@ def route_app(route: Callable[[bytes, str | None], Awaitable[dict[str, Any]]]) -
     alone 15.3 / 15.6 → 7.9 / 8.4 ms in alternating runs
     (benchmarks/results/overhead-cpu-peer-asgi).
     """
-    async def app(scope: dict[str, Any], receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]):
+    async def app(scope: dict[str, Any], receive: Callable[[], Awaitable[dict]],
+                  send: Callable[[dict], Awaitable[None]]) -> None:
         if scope["type"] == "lifespan":  # Serve runs the app's lifespan: nothing to start or stop
             while True:
                 message = await receive()
