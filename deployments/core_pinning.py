@@ -9,7 +9,8 @@ request hang for 60 s under overload in the tests (benchmarks/results/overhead-c
 those threads carry requests in and tokens out and must stay free to run on whichever core is idle.
 
 Linux gives a new thread its creator's affinity, so a thread the main thread starts after the pin
-(one did, after a CI run's earlier tests: a lazily started pool) would be confined with it. The
+(one did in a CI run, after the earlier tests; which vLLM thread it was is not known) would be
+confined with it. The
 replica therefore repeats `EngineCorePin.apply` with its gauge refresh: a thread that inherited
 the pin is freed within one period.
 """
