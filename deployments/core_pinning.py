@@ -10,9 +10,8 @@ those threads carry requests in and tokens out and must stay free to run on whic
 
 Linux gives a new thread its creator's affinity, so a thread the main thread starts after the pin
 (one did in a CI run, after the earlier tests; which vLLM thread it was is not known) would be
-confined with it. The
-replica therefore repeats `EngineCorePin.apply` with its gauge refresh: a thread that inherited
-the pin is freed within one period.
+confined with it. The replica therefore repeats `EngineCorePin.apply` with its gauge refresh: a
+thread that inherited the pin is freed within one period.
 """
 
 from __future__ import annotations
