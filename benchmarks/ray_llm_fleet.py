@@ -48,8 +48,11 @@ START_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 30.0
 
 
-def llm_config_kwargs(config: KvtideConfig, model_path: str) -> dict[str, Any]:
-    """`LLMConfig` keyword arguments mirroring kvtide's config: same engine flags, replicas, devices."""
+def llm_config_kwargs(config: KvtideConfig, model_path: str, router_class: str | None = KV_ROUTER_CLASS) -> dict[str, Any]:
+    """`LLMConfig` keyword arguments mirroring kvtide's config: same engine flags, replicas, devices.
+
+    `router_class` None keeps Ray Serve LLM's default router (the serving-overhead comparison).
+    """
     from kvtide.benchmarks.bare_fleet import fleet_size
     from kvtide.deployments.placement import engine_kwargs
 
@@ -68,8 +71,8 @@ def llm_config_kwargs(config: KvtideConfig, model_path: str) -> dict[str, Any]:
         "engine_kwargs": {k: v for k, v in kwargs.items() if k not in ("model", "served_model_name")},
         "accelerator_type": None,
         "placement_group_config": {"bundles": [dict(bundle) for _ in range(config.engine.tensor_parallel_size)]},
-        "deployment_config": {"num_replicas": fleet_size(config),
-                              "request_router_config": {"request_router_class": KV_ROUTER_CLASS}},
+        "deployment_config": {"num_replicas": fleet_size(config), **(
+            {"request_router_config": {"request_router_class": router_class}} if router_class else {})},
         "server_cls": None if gpu else SERVER_CLS,
         "log_engine_metrics": True,
     }
@@ -92,8 +95,8 @@ class RayKvFleet:
 
 
 @contextlib.contextmanager
-def running(config: KvtideConfig, log_dir: str | Path) -> Iterator[RayKvFleet]:
-    """Start Ray Serve LLM (KVAwareRouter, direct streaming) in a child process; yield it; stop it."""
+def running(config: KvtideConfig, log_dir: str | Path, router_class: str | None = KV_ROUTER_CLASS) -> Iterator[RayKvFleet]:
+    """Start Ray Serve LLM (`router_class`, direct streaming) in a child process; yield it; stop it."""
     from kvtide.benchmarks.bare_fleet import fleet_size
     from kvtide.benchmarks.overhead import server_process
     from kvtide.deployments.demo_model import resolve_model
@@ -101,7 +104,8 @@ def running(config: KvtideConfig, log_dir: str | Path) -> Iterator[RayKvFleet]:
 
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    spec = {"llm_config": llm_config_kwargs(config, resolve_model(config.model)), "port": config.http.port,
+    spec = {"llm_config": llm_config_kwargs(config, resolve_model(config.model), router_class),
+            "port": config.http.port,
             "metrics_port": config.metrics.port, "gpu": config.resources.device == "gpu",
             "num_cpus": max(float(os.cpu_count() or 1), logical_cpus_needed(config, fleet_size(config)) + 4)}
     (log_dir / "llm_config.json").write_text(json.dumps(spec, indent=2, default=str) + "\n")
@@ -117,8 +121,8 @@ def running(config: KvtideConfig, log_dir: str | Path) -> Iterator[RayKvFleet]:
         n = spec["llm_config"]["deployment_config"]["num_replicas"]
         yield RayKvFleet(f"http://127.0.0.1:{config.http.port}", f"http://127.0.0.1:{config.metrics.port}/metrics",
                          config.model_name,
-                         f"`{RAY_KV_POLICY}`: Ray Serve LLM 2.60, {n} LLMServer replicas, KVAwareRouter "
-                         "(ai-dynamo-runtime), direct streaming through HAProxy; same engine flags")
+                         f"`{RAY_KV_POLICY}`: Ray Serve LLM 2.60, {n} LLMServer replicas, "
+                         f"{router_class or 'its default router'}, direct streaming through HAProxy; same engine flags")
 
 
 def main(argv: list[str] | None = None) -> int:

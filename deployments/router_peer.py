@@ -24,6 +24,7 @@ tracker a new engine replica asks before it takes traffic (it sees every POST of
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Any, Awaitable, Callable
@@ -35,7 +36,8 @@ from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig, parse_config
 from kvtide.deployments.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.messages import RoutingKey
-from kvtide.deployments.prompts import SESSION_HEADER, PromptBuilder, load_tokenizer, session_key
+from kvtide.deployments.prompt_pool import PromptPool
+from kvtide.deployments.prompts import SESSION_HEADER, Prompt, PromptBuilder, load_tokenizer, session_key
 from kvtide.deployments.routing.block_hash import block_hashes, salt_root
 from kvtide.deployments.routing.trust import prediction_header
 
@@ -50,7 +52,9 @@ class RouterPeer:
         config: KvtideConfig = parse_config(config_dict)
         self.engine = engine
         self.block_size = config.engine.block_size
-        self.prompts = PromptBuilder(config, load_tokenizer(config))
+        tokenizer = load_tokenizer(config)
+        self.prompts = PromptBuilder(config, tokenizer)
+        self.prompt_pool = PromptPool.for_config(config, tokenizer)  # None: tokenize on the event loop
         self.send_prompt_text = config.routing.policy == "ray_prefix"
         self.hot_prefixes_tracker = HotPrefixTracker(self.block_size)
 
@@ -59,11 +63,11 @@ class RouterPeer:
 
     async def route(self, body: bytes, session_header: str | None = None) -> dict[str, Any]:
         """The replica HAProxy should pin this request to."""
-        prompt = self.prompts.routing_prompt(body)
+        tokenize = functools.partial(routing_prompt_and_hashes, body=body, block_size=self.block_size)
+        prompt, hashes = await self.prompt_pool.run(tokenize) if self.prompt_pool else tokenize(self.prompts)
         token_ids = prompt.token_ids if prompt is not None else []
-        salt = prompt.request.cache_salt if prompt is not None else None
-        hashes = tuple(block_hashes(token_ids, self.block_size, parent=salt_root(salt)))
-        if hashes and salt is None:  # a salted (tenant-private) prefix is never warmed elsewhere
+        # (hashes imply a prompt) a salted (tenant-private) prefix is never warmed elsewhere
+        if hashes and prompt.request.cache_salt is None:
             self.hot_prefixes_tracker.observe(token_ids, hashes, time.monotonic())
         key = RoutingKey(block_hashes=hashes,
                          session_key=session_key(prompt, session_header) if prompt is not None else None,
@@ -77,6 +81,14 @@ class RouterPeer:
     async def hot_prefixes(self, limit: int = 32) -> list[tuple[list[int], float]]:
         """Handle method (not HTTP): shared prefixes a new engine replica should prefill."""
         return self.hot_prefixes_tracker.hottest(time.monotonic(), limit=limit)
+
+
+def routing_prompt_and_hashes(prompts: PromptBuilder, body: bytes, block_size: int) -> tuple[Prompt | None, tuple]:
+    """A body's prompt (None when invalid) and its block hashes, salted by its cache_salt."""
+    prompt = prompts.routing_prompt(body)
+    token_ids = prompt.token_ids if prompt is not None else []
+    salt = prompt.request.cache_salt if prompt is not None else None
+    return prompt, tuple(block_hashes(token_ids, block_size, parent=salt_root(salt)))
 
 
 ROUTE_PATH = "/internal/route"

@@ -10,6 +10,9 @@
 #                                              (SERVERS, CONCURRENCY, NUM_REQUESTS, OVERHEAD_DURATION narrow it)
 #   bash benchmarks/h200/run.sh overhead-8b    the same with a Llama-3.1-8B-shaped model built on the device
 #                                              (TTFT_PATHS=N: first N rounds of one stream's TTFT by path)
+#   bash benchmarks/h200/run.sh overhead-8b-inline  kvtide alone, its routing peer tokenizing on the event loop
+#                                              (router_tokenize_threads=0; CONCURRENCY_AB, default 16,64)
+#   bash benchmarks/h200/run.sh overhead-8b-peer    Ray Serve LLM alone (direct streaming, default router), same levels
 #   bash benchmarks/h200/run.sh routing        `kvtide bench compare` on the x2 kind: 4 replicas of the 8B shape
 #                                              (2 per GPU), bare / pow2 / prefix_aware / round_robin, Zipf
 #                                              shared-prefix at several open-loop rates (POLICIES, RATES, ...)
@@ -241,16 +244,23 @@ overhead-demo)
       --no-progress --out-dir "$RES/overhead-demo" > "$RES/overhead-demo.log" 2>&1
   tail -15 "$RES/overhead-demo/report.md"
   ;;
-overhead-8b)
-  build_8b; leftovers overhead-8b
+overhead-8b|overhead-8b-inline|overhead-8b-peer)
+  # -inline: kvtide alone with the routing peer tokenizing on its event loop (router_tokenize_threads=0),
+  # the A/B of the default's tokenizer threads; -peer: Ray Serve LLM (direct streaming, default router).
+  build_8b; leftovers "$1"
+  case "$1" in
+    overhead-8b-inline) servers=kvtide; extra=(--set http.router_tokenize_threads=0); conc=${CONCURRENCY_AB:-16,64} ;;
+    overhead-8b-peer) servers=ray-serve-llm; extra=(); conc=${CONCURRENCY:-1,16,64} ;;
+    *) servers=${SERVERS:-kvtide,vllm}; extra=(); conc=${CONCURRENCY:-1,16,64} ;;
+  esac
   CUDA_VISIBLE_DEVICES=0 python3 -m kvtide.benchmarks.overhead --config "$REPO/cluster/configs/gpu-demo.yaml" \
       --set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape \
-      --set engine.gpu_memory_utilization=0.85 --set engine.max_num_seqs=128 \
-      --servers "${SERVERS:-kvtide,vllm}" --concurrency "${CONCURRENCY:-1,16,64}" --num-requests "${NUM_REQUESTS:-200}" \
+      --set engine.gpu_memory_utilization=0.85 --set engine.max_num_seqs=128 "${extra[@]}" \
+      --servers "$servers" --concurrency "$conc" --num-requests "${NUM_REQUESTS:-200}" \
       --duration "${OVERHEAD_DURATION:-60}" --input-len 512 --output-len 128 --ttft-paths "${TTFT_PATHS:-0}" \
       --hardware "NVIDIA H200 (one GPU), Llama-3.1-8B shape, random weights" \
-      --no-progress --out-dir "$RES/overhead-8b" > "$RES/overhead-8b.log" 2>&1
-  tail -15 "$RES/overhead-8b/report.md"
+      --no-progress --out-dir "$RES/$1" > "$RES/$1.log" 2>&1
+  tail -15 "$RES/$1/report.md"
   ;;
 profile)  # where the direct path spends CPU at 64 streams: py-spy on the engine replica and HAProxy's view
   python3 -m kvtide.cluster.cli serve --config "$REPO/cluster/configs/gpu-demo.yaml" --replicas 1 \

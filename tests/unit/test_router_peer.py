@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 from types import SimpleNamespace
+
+import pytest
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 from ray.serve.request_router import PendingRequest
@@ -20,6 +23,7 @@ from fakes import FakeTokenizer, settle_digest_slices
 from kvtide.config import parse_config
 from kvtide.deployments.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.messages import RoutingKey
+from kvtide.deployments.prompt_pool import PromptPool
 from kvtide.deployments.prompts import ROUTED_TOKENS_HEADER, PromptBuilder
 from kvtide.deployments.router import PrefixAwareRouter
 from kvtide.deployments.router_peer import RouterPeer, route_app, route_headers
@@ -36,8 +40,6 @@ CONFIG = parse_config({"model": "/m", "served_model_name": "m", "engine": {"max_
 BS = CONFIG.engine.block_size
 DEPLOYMENT = DeploymentID(name="Engine", app_name="app")
 BODY = json.dumps({"model": "m", "prompt": "y" * 40, "max_tokens": 1}).encode()  # 41 tokens: 2 full blocks
-
-
 
 
 class FakeReplica:
@@ -61,9 +63,12 @@ class RouterHandle:
         yield SimpleNamespace(_replica=ranks[0][0])
 
 
-def test_the_peer_answers_with_the_routers_prediction_for_its_pick():
-    """route(): the replica the router picked, and a prediction header naming it with its cached prompt tokens."""
+@pytest.mark.parametrize("threads", [0, 2], ids=["on-the-loop", "tokenize-threads"])
+def test_the_peer_answers_with_the_routers_prediction_for_its_pick(threads):
+    """route(): the replica the router picked, and a prediction header naming it with its cached prompt tokens
+    (the same whether the peer tokenizes on its event loop or in its PromptPool's threads)."""
     prompts = PromptBuilder(CONFIG, FakeTokenizer())
+    pool = PromptPool([PromptBuilder(CONFIG, FakeTokenizer()) for _ in range(threads)]) if threads else None
     token_ids = prompts.routing_prompt(BODY).token_ids
     hashes = block_hashes(token_ids, BS)
 
@@ -74,7 +79,7 @@ def test_the_peer_answers_with_the_routers_prediction_for_its_pick():
         replicas = [FakeReplica("a"), FakeReplica("b", {"digest": digest, "reported_s": 1.0})]
         router.update_replicas(replicas)
         await settle_digest_slices(router)  # the digest's slices run on the next loop turns
-        peer = SimpleNamespace(prompts=prompts, block_size=BS, send_prompt_text=False,
+        peer = SimpleNamespace(prompts=prompts, prompt_pool=pool, block_size=BS, send_prompt_text=False,
                                hot_prefixes_tracker=HotPrefixTracker(BS), engine=RouterHandle(router, replicas))
         return await RouterPeer.route(peer, BODY)
 
@@ -136,3 +141,32 @@ def test_the_peer_app_refuses_other_paths_and_completes_its_lifespan():
     assert start["status"] == 404 and "POST /internal/route" in json.loads(body["body"])["error"]
     sent = _call_app(app, {"type": "lifespan"}, [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])
     assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+
+
+def test_the_prompt_pool_runs_a_burst_side_by_side_each_call_with_a_builder_of_its_own():
+    """Two calls meet inside fn at once (a barrier no single thread could pass), off the loop, on distinct builders."""
+    builders = [PromptBuilder(CONFIG, FakeTokenizer()) for _ in range(2)]
+    barrier = threading.Barrier(2, timeout=30)
+
+    def fn(builder):
+        barrier.wait()  # both calls must be running at the same time to pass
+        return builder, threading.get_ident()
+
+    loop_thread, results = asyncio.run(_two_calls(PromptPool(builders), fn))
+    assert {id(b) for b, _ in results} == {id(b) for b in builders}
+    assert loop_thread not in {t for _, t in results}
+
+
+async def _two_calls(pool, fn):
+    return threading.get_ident(), await asyncio.gather(pool.run(fn), pool.run(fn))
+
+
+def test_the_prompt_pool_follows_the_config_with_tokenizer_copies_or_none():
+    """router_tokenize_threads 0 → no pool (tokenize on the loop); 3 → three builders, each with its own tokenizer."""
+    tokenizer = FakeTokenizer()
+    assert PromptPool.for_config(CONFIG.model_copy(update={"http": CONFIG.http.model_copy(
+        update={"router_tokenize_threads": 0})}), tokenizer) is None
+    pool = PromptPool.for_config(CONFIG.model_copy(update={"http": CONFIG.http.model_copy(
+        update={"router_tokenize_threads": 3})}), tokenizer)
+    tokenizers = [pool._free.get_nowait().tokenizer for _ in range(3)]
+    assert len({id(t) for t in tokenizers} | {id(tokenizer)}) == 4
