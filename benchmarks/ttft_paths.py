@@ -1,6 +1,6 @@
 """Where one stream's TTFT goes in direct mode: the whole path against its parts, one request at a time.
 
-    python -m kvtide.benchmarks.ttft_paths kvtide [-n 80]      (a running `kvtide serve`, one engine replica)
+    python -m kvtide.benchmarks.ttft_paths kvtide [-n 80] [--words 20]   (a running `kvtide serve`, one engine replica)
     python -m kvtide.benchmarks.ttft_paths bare --port 8600     (a bare vLLM server with the same engine flags)
 
 For kvtide, each round sends three requests with fresh 480-word prompts (~1,100 tokens of the
@@ -99,7 +99,8 @@ def round_order(round_index: int) -> tuple[str, ...]:
     return ("full", "consult", "replica") if round_index % 2 == 0 else ("consult", "replica", "full")
 
 
-def measure_paths(server: str, port: int, model: str, rounds: int, seed: int = 1) -> dict[str, list[float]]:
+def measure_paths(server: str, port: int, model: str, rounds: int, seed: int = 1,
+                  words: int = 480) -> dict[str, list[float]]:
     """Path name → first-token seconds over `rounds` rounds (after 5 unmeasured ones), one request at a time.
 
     `server` is "kvtide" (a kvtide serve in direct mode on `port`: full / consult / replica) or
@@ -111,14 +112,14 @@ def measure_paths(server: str, port: int, model: str, rounds: int, seed: int = 1
         peer_port, replica_port = direct_mode_ports(*latest_haproxy_files())
     for i in range(-5, rounds):
         if server == "bare":
-            got = {"bare": first_token_s(port, request_body(rng, model, 3 * i))}
+            got = {"bare": first_token_s(port, request_body(rng, model, 3 * i, words))}
         else:
             got = {}
             for path in round_order(i):
                 if path == "full":
-                    got["full"] = first_token_s(port, request_body(rng, model, 3 * i))
+                    got["full"] = first_token_s(port, request_body(rng, model, 3 * i, words))
                 elif path == "consult":
-                    body = request_body(rng, model, 3 * i + 1)
+                    body = request_body(rng, model, 3 * i + 1, words)
                     got["consult"], headers = consult_s(peer_port, body)
                 else:
                     got["replica"] = first_token_s(replica_port, body, headers)
@@ -126,6 +127,9 @@ def measure_paths(server: str, port: int, model: str, rounds: int, seed: int = 1
             for path, seconds in got.items():
                 if seconds is not None:
                     paths.setdefault(path, []).append(seconds)
+            if got.get("full") is not None and got.get("replica") is not None:
+                # Paired by round: the engine's drift between rounds cancels.
+                paths.setdefault("full - replica", []).append(got["full"] - got["replica"])
     return paths
 
 
@@ -136,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="kvtide-demo")
     parser.add_argument("-n", type=int, default=80, help="rounds (after 5 unmeasured ones)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--words", type=int, default=480,
+                        help="prompt words; a short prompt keeps the engine's spread from hiding the path's")
     args = parser.parse_args(argv)
-    for path, samples in measure_paths(args.server, args.port, args.model, args.n, args.seed).items():
+    for path, samples in measure_paths(args.server, args.port, args.model, args.n, args.seed, args.words).items():
         print(f"{path:8s} {describe(samples)}")
     return 0
 

@@ -52,6 +52,7 @@ class RouterPeer:
         config: KvtideConfig = parse_config(config_dict)
         self.engine = engine
         self.block_size = config.engine.block_size
+        self.buffer_bytes = config.http.router_buffer_bytes
         tokenizer = load_tokenizer(config)
         self.prompts = PromptBuilder(config, tokenizer)
         self.prompt_pool = PromptPool.for_config(config, tokenizer)  # None: tokenize on the event loop
@@ -76,7 +77,8 @@ class RouterPeer:
             replica_id = selection._replica.replica_id.to_full_id_str()
         # HAProxy sets these headers on the request it forwards: the replica skips tokenizing,
         # and learns what the router expected it to have cached.
-        return {"replica_id": replica_id, "request_headers": route_headers(self.prompts, token_ids, key)}
+        room_bytes = self.buffer_bytes - len(body) - HEADER_HEADROOM_BYTES
+        return {"replica_id": replica_id, "request_headers": route_headers(self.prompts, token_ids, key, room_bytes)}
 
     async def hot_prefixes(self, limit: int = 32) -> list[tuple[list[int], float]]:
         """Handle method (not HTTP): shared prefixes a new engine replica should prefill."""
@@ -140,6 +142,18 @@ def route_app(route: Callable[[bytes, str | None], Awaitable[dict[str, Any]]]) -
     return app
 
 
-def route_headers(prompts: PromptBuilder, token_ids: list[int], key: RoutingKey) -> dict[str, str]:
-    """The headers HAProxy sets on the forwarded request: the token ids, and the router's prediction if any."""
-    return {**prompts.routed_tokens_header(token_ids), **prediction_header(key.decision)}
+# What the forwarded request's other headers and HAProxy's rewrite reserve may take of its buffer.
+HEADER_HEADROOM_BYTES = 16 << 10
+
+
+def route_headers(prompts: PromptBuilder, token_ids: list[int], key: RoutingKey, room_bytes: int) -> dict[str, str]:
+    """The headers HAProxy sets on the forwarded request: the token ids, and the router's prediction if any.
+
+    The token ids only if they fit in `room_bytes`, what HAProxy's buffer has left beside the
+    body: a header that does not fit fails HAProxy's rewrite, and the request with it (the
+    replica tokenizes when the header is absent).
+    """
+    tokens = prompts.routed_tokens_header(token_ids)
+    if sum(len(k) + len(v) + 4 for k, v in tokens.items()) > room_bytes:
+        tokens = {}
+    return {**tokens, **prediction_header(key.decision)}

@@ -96,6 +96,14 @@ def test_body_over_limit_is_413(http, cluster, cluster_config):
     assert err["code"] == "body_too_large"
 
 
+def test_a_body_past_haproxys_routing_buffer_reaches_the_replica_whole(http, cluster, cluster_config):
+    """A body larger than http.router_buffer_bytes (cut for the routing peer) is forwarded whole: the replica
+    parses all of it and refuses the prompt for its length, naming its token count."""
+    n = cluster_config.http.router_buffer_bytes // 3 + 1000  # ≥ 3 bytes per id: the body outgrows the buffer
+    err = _error(http.post("/v1/completions", json={"model": cluster.model_name, "prompt": [11] * n}), 400)
+    assert str(n) in err["message"]
+
+
 def test_unknown_path_and_wrong_method_use_openai_errors(http):
     """404 and 405 from routing keep the OpenAI error shape."""
     _error(http.get("/v1/nothing-here"), 404)

@@ -26,7 +26,7 @@ from kvtide.deployments.messages import RoutingKey
 from kvtide.deployments.prompt_pool import PromptPool
 from kvtide.deployments.prompts import ROUTED_TOKENS_HEADER, PromptBuilder
 from kvtide.deployments.router import PrefixAwareRouter
-from kvtide.deployments.router_peer import RouterPeer, route_app, route_headers
+from kvtide.deployments.router_peer import HEADER_HEADROOM_BYTES, RouterPeer, route_app, route_headers
 from kvtide.deployments.routing.block_hash import block_hashes
 from kvtide.deployments.routing.snapshot import CacheDigest
 from kvtide.deployments.routing.trust import (
@@ -80,7 +80,7 @@ def test_the_peer_answers_with_the_routers_prediction_for_its_pick(threads):
         router.update_replicas(replicas)
         await settle_digest_slices(router)  # the digest's slices run on the next loop turns
         peer = SimpleNamespace(prompts=prompts, prompt_pool=pool, block_size=BS, send_prompt_text=False,
-                               hot_prefixes_tracker=HotPrefixTracker(BS), engine=RouterHandle(router, replicas))
+                               buffer_bytes=CONFIG.http.router_buffer_bytes, hot_prefixes_tracker=HotPrefixTracker(BS), engine=RouterHandle(router, replicas))
         return await RouterPeer.route(peer, BODY)
 
     answer = asyncio.run(scenario())
@@ -94,10 +94,43 @@ def test_route_headers_add_the_prediction_only_when_the_router_wrote_one():
     """A baseline router writes nothing: the answer then carries the token ids alone."""
     prompts = PromptBuilder(CONFIG, FakeTokenizer())
     key = RoutingKey()
-    assert set(route_headers(prompts, [1, 2, 3], key)) == {ROUTED_TOKENS_HEADER}
+    assert set(route_headers(prompts, [1, 2, 3], key, ROOM)) == {ROUTED_TOKENS_HEADER}
     write_prediction(key.decision, "b", 0)
-    headers = route_headers(prompts, [1, 2, 3], key)
+    headers = route_headers(prompts, [1, 2, 3], key, ROOM)
     assert decode_prediction_header(headers[PREDICTED_CACHED_TOKENS_HEADER]) == Prediction("b", 0)
+
+
+ROOM = 1 << 20
+
+
+def test_route_headers_leave_out_the_token_ids_where_haproxys_buffer_has_no_room_for_them():
+    """Token ids that would not fit beside the body in HAProxy's buffer are left out (the replica tokenizes);
+    the prediction still goes."""
+    prompts = PromptBuilder(CONFIG, FakeTokenizer())
+    key = RoutingKey()
+    write_prediction(key.decision, "b", 0)
+    ids = list(range(1, 301))
+    size = sum(len(k) + len(v) + 4 for k, v in prompts.routed_tokens_header(ids).items())
+    assert set(route_headers(prompts, ids, key, size)) == {ROUTED_TOKENS_HEADER, PREDICTED_CACHED_TOKENS_HEADER}
+    assert set(route_headers(prompts, ids, key, size - 1)) == {PREDICTED_CACHED_TOKENS_HEADER}
+
+
+def test_the_peer_sends_no_token_ids_for_a_body_that_fills_haproxys_buffer():
+    """route(): a body within HEADER_HEADROOM_BYTES of http.router_buffer_bytes is answered without token ids."""
+    prompts = PromptBuilder(CONFIG, FakeTokenizer())
+
+    async def scenario(buffer_bytes):
+        router = PrefixAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(block_size=BS, seed=0)
+        replicas = [FakeReplica("a")]
+        router.update_replicas(replicas)
+        peer = SimpleNamespace(prompts=prompts, prompt_pool=None, block_size=BS, send_prompt_text=False,
+                               buffer_bytes=buffer_bytes, hot_prefixes_tracker=HotPrefixTracker(BS),
+                               engine=RouterHandle(router, replicas))
+        return await RouterPeer.route(peer, BODY)
+
+    assert ROUTED_TOKENS_HEADER in asyncio.run(scenario(HEADER_HEADROOM_BYTES + len(BODY) + 1024))["request_headers"]
+    assert ROUTED_TOKENS_HEADER not in asyncio.run(scenario(HEADER_HEADROOM_BYTES + len(BODY)))["request_headers"]
 
 
 def _call_app(app, scope: dict, messages: list[dict]) -> list[dict]:

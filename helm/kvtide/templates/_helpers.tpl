@@ -220,7 +220,7 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
 - name: RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY
   value: "1"
 - name: RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE
-  value: {{ dig "ingress" "max_body_bytes" 4194304 .Values.kvtide | int64 | toString | quote }}
+  value: {{ dig "http" "router_buffer_bytes" 262144 .Values.kvtide | int64 | toString | quote }}
 - name: RAY_SERVE_HAPROXY_RETRIES
   value: {{ add 3 (dig "ingress" "admission" "max_retries" 2 .Values.kvtide | int64) | toString | quote }}
 - name: RAY_SERVE_HAPROXY_RETRY_ON
