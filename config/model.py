@@ -218,11 +218,6 @@ class HttpConfig(Strict):
 
 class MetricsConfig(Strict):
     port: int = Field(8080, ge=1, le=65535, description="Ray metrics export port (Prometheus text on /metrics).")
-    export_interval_ms: int = Field(
-        2000, ge=100, le=60000,
-        description="How often every Ray process exports its metrics (Ray's metrics_report_interval_ms, 10 s by "
-                    "default): a new engine replica's gauges reach /metrics within this time of its start, "
-                    "and a dashboard follows load this closely.")
 
 
 class KvtideConfig(Strict):
@@ -277,9 +272,6 @@ class KvtideConfig(Strict):
             # peer would yield the CPU to Ray's own daemons (raylet, GCS, metrics agent) and to
             # anything else on the node. They are the product; they run at normal priority.
             "RAY_worker_niceness": "0",
-            # Ray's export period: with its 10 s, a ready replica's gauges were missing from
-            # /metrics for up to 10 s (benchmarks/results/h200-session-2026-12-02g).
-            "RAY_metrics_report_interval_ms": str(self.metrics.export_interval_ms),
         }
         if self.http.mode == "direct":
             env.update({

@@ -27,7 +27,6 @@ def _ray_env_per_container(values: dict, names: list[str]) -> list[dict[str, str
     {"autoscaling": {"metrics_push_interval_s": 10}},
     {"http": {"mode": "ingress"}},
     {"ingress": {"max_body_bytes": 1 << 20, "admission": {"max_retries": 0}}},
-    {"http": {"router_buffer_bytes": 1 << 20}, "metrics": {"export_interval_ms": 500}},
 ])
 def test_every_ray_container_gets_the_config_ray_env(kvtide_values):
     """Head and workers carry exactly what `kvtide serve` sets locally (throughput mode, metrics push interval)."""

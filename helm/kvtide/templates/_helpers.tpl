@@ -230,8 +230,6 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
   value: "2"
 - name: RAY_worker_niceness
   value: "0"
-- name: RAY_metrics_report_interval_ms
-  value: {{ dig "metrics" "export_interval_ms" 2000 .Values.kvtide | int64 | toString | quote }}
 {{- if .Values.hfToken.secretName }}
 - name: HF_TOKEN
   valueFrom:
