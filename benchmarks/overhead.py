@@ -234,10 +234,14 @@ def level_summary(results: list[Any], duration_s: float) -> dict[str, Any]:
     }
 
 
+WARM_REQUESTS = 8  # unmeasured, before the first level
+
+
 def measure(base_url: str, model: str, args: argparse.Namespace, tokens_per_word: float) -> dict[int, dict[str, Any]]:
     """One summary per concurrency level against one running server."""
     out = {}
-    warm = build_workload("random", make_params("random", num_requests=8, input_len=64, output_len=8), seed=-1,
+    warm = build_workload("random", make_params("random", num_requests=WARM_REQUESTS, input_len=64, output_len=8),
+                          seed=-1,
                           tokens_per_word=tokens_per_word)
     asyncio.run(run_load(base_url, warm.requests, concurrency=4, duration_s=120.0, model=model, progress=False))
     for concurrency in args.concurrency:
@@ -362,14 +366,19 @@ def main(argv: list[str] | None = None) -> int:
                     # into the engine's time (vLLM's arrival → first token) and the rest.
                     path = log_dir / f"{server}-metrics-after-paths.txt"
                     if server == "kvtide":
-                        # the probe's "full" rounds passed HAProxy's consult; the first is a warm-up
+                        # the probe's "full" rounds (and its 5 warm-ups) passed HAProxy's consult
                         scrapes["after the paths probe"] = scrape(metrics_url, path, ready_s,
-                                                                  min_consults=args.ttft_paths)
+                                                                  min_consults=args.ttft_paths + 5)
                     else:
                         save_metrics(metrics_url, path)
                 results[server] = measure(base_url, config.model_name, args, tokens_per_word)
                 if server == "kvtide":
-                    scrapes["after the load levels"] = scrape(metrics_url, log_dir / "kvtide-metrics-end.txt", ready_s)
+                    # every POST so far passed the consult: the probe's rounds (5 warm-ups), the 8
+                    # warm-up requests and each level's requests
+                    sent = ((args.ttft_paths + 5 if args.ttft_paths else 0) + WARM_REQUESTS
+                            + sum(level["num_requests"] for level in results[server].values()))
+                    scrapes["after the load levels"] = scrape(metrics_url, log_dir / "kvtide-metrics-end.txt", ready_s,
+                                                              min_consults=sent)
                 if args.vllm_bench:
                     bench[server] = vllm_bench_serve(base_url, config.model_name, model_path, args.vllm_bench,
                                                      max(args.num_requests, 4 * args.vllm_bench),
@@ -446,12 +455,13 @@ def scrapes_markdown(scrapes: dict[str, dict[str, Any]]) -> str:
     for label, s in scrapes.items():
         present = ", ".join(f"{name.removeprefix('ray_')} {'yes' if ok else 'NO'}" for name, ok in s["present"].items())
         c = s["consult_ms"] or {}
-        fmt = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
         text += (f"| {label} | {s['s_after_ready']} | {present or 'scrape failed'} | {c.get('count', 0)} "
-                 f"| {fmt(c.get('mean'))} | {fmt(c.get('p50'))} | {fmt(c.get('p99'))} |\n")
+                 f"| {_fixed(c.get('mean'))} | {_fixed(c.get('p50'))} | {_fixed(c.get('p99'))} |\n")
     return text
 
 
+def _fixed(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
 
 
 def paths_markdown(paths: dict[str, dict[str, Any]], rounds: int) -> str:
