@@ -153,10 +153,10 @@ class PromptBuilder:
         if endpoint == "chat":
             req = self._parse(data, ChatCompletionRequest)
             token_ids = self.chat_tokens(req, routed_tokens)
-            return Prompt(req, token_ids, self._budget(token_ids, req.max_output_tokens, None))
+            return Prompt(req, token_ids, self._budget(token_ids, req.max_output_tokens, None, "messages"))
         req = self._parse(data, CompletionRequest)
         token_ids = self.completion_tokens(req, routed_tokens)
-        return Prompt(req, token_ids, self._budget(token_ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS))
+        return Prompt(req, token_ids, self._budget(token_ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt"))
 
     def routed_tokens_header(self, token_ids: list[int]) -> dict[str, str]:
         """The routing peer's header carrying `token_ids` to the replica; {} when too long or empty."""
@@ -188,15 +188,19 @@ class PromptBuilder:
                            param="model", code="model_not_found")
         return req
 
-    def _budget(self, prompt_ids: list[int], requested: int | None, default: int | None) -> int:
-        """Output tokens for this request; 400 if prompt + max_tokens cannot fit the context."""
+    def _budget(self, prompt_ids: list[int], requested: int | None, default: int | None, prompt_param: str) -> int:
+        """Output tokens for this request; 400 if prompt + max_tokens cannot fit the context.
+
+        `prompt_param`: the body field that holds the prompt ("prompt", or "messages" for chat),
+        named in the error when the prompt alone is too long.
+        """
         num_prompt = len(prompt_ids)
         if num_prompt == 0:
             raise ApiError(400, "the prompt is empty: it has no tokens", param="prompt", code="invalid_value")
         room = self.max_model_len - num_prompt
         if room <= 0:
             raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens; "
-                                f"the prompt has {num_prompt} tokens", param="messages", code="context_length_exceeded")
+                                f"the prompt has {num_prompt} tokens", param=prompt_param, code="context_length_exceeded")
         max_tokens = requested if requested is not None else (default or room)
         if num_prompt + max_tokens > self.max_model_len:
             raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens; you requested "

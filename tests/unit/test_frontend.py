@@ -405,3 +405,14 @@ def test_ingress_mode_compares_the_slot_its_router_wrote(predicted_replica, expe
     resp = client.post("/v1/completions", json=TRUST_BODY)
     assert resp.status_code == 200, resp.text
     assert metrics.predictions == expected
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"model": "m", "prompt": "x" * 70}, "prompt"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x" * 70}]}, "messages"),
+])
+def test_a_prompt_alone_over_the_context_names_the_field_that_holds_it(path, body, param):
+    """context_length_exceeded for the prompt alone points at `prompt` on completions and `messages` on chat."""
+    client, _ = _app()
+    err = client.post(path, json=body).json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == param
