@@ -288,10 +288,18 @@ def _engine_core_processes(app: str) -> list[psutil.Process]:
     found = []
     for pid in _replica_pids(app).get("Engine", []):
         try:
-            found += [p for p in psutil.Process(pid).children(recursive=True)
-                      if "VLLM::EngineCore" in " ".join(p.cmdline())]
+            children = psutil.Process(pid).children(recursive=True)
         except psutil.Error:  # a replica that just went away
             continue
+        for child in children:
+            # One child at a time: a child that cannot be read (a zombie helper, one that just
+            # exited) must not hide its replica's engine core (a fresh-clone run of 2026-12-03
+            # saw one of two live engine cores missed for 300 s).
+            try:
+                if "VLLM::EngineCore" in " ".join(child.cmdline()):
+                    found.append(child)
+            except psutil.Error:
+                continue
     return found
 
 
