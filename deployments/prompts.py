@@ -37,6 +37,7 @@ from pydantic import ValidationError
 from kvtide.config import KvtideConfig
 from kvtide.deployments.admission import max_prompt_chars
 from kvtide.deployments.protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_error_to_api
+from kvtide.deployments.token_encoder import TokenEncoder
 
 # Completions default to 16 output tokens, as OpenAI's legacy endpoint does.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -122,6 +123,7 @@ class PromptBuilder:
 
     def __init__(self, config: KvtideConfig, tokenizer: Any):
         self.tokenizer = tokenizer
+        self.encode = TokenEncoder(tokenizer)
         self.model_name = config.model_name
         self.max_model_len = config.engine.max_model_len
         self.max_body_bytes = config.ingress.max_body_bytes
@@ -226,7 +228,7 @@ class PromptBuilder:
             self._check_prompt_chars(len(req.prompt), "prompt")
             if routed_tokens is not None:
                 return routed_tokens
-            return self.tokenizer.encode(req.prompt, add_special_tokens=True)
+            return self.encode(req.prompt, add_special_tokens=True)
         self._check_vocabulary(req.prompt, "prompt")
         return list(req.prompt)
 
@@ -244,4 +246,4 @@ class PromptBuilder:
             raise ApiError(400, f"messages could not be rendered with the chat template: {exc}",
                            param="messages", code="invalid_value") from None
         # The template already holds BOS; adding special tokens again would double it.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False)

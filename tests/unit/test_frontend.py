@@ -101,6 +101,31 @@ def test_every_v1_route_needs_the_api_key():
     assert client.get("/health").status_code == 200 and client.get("/ready").status_code == 200
 
 
+def test_generation_posts_skip_fastapi_and_everything_else_reaches_it():
+    """The two generation POSTs are served (key check included, 401 counted) without FastAPI; GETs, a trailing
+    slash and other methods on those paths go to FastAPI."""
+    client, metrics = _app(keys=["sk-1"])
+    app = client.app
+    fastapi_seen: list[tuple[str, str]] = []
+    real_fastapi = app.fastapi_app
+
+    async def recording_fastapi(scope, receive, send):
+        if scope["type"] == "http":
+            fastapi_seen.append((scope["method"], scope["path"]))
+        await real_fastapi(scope, receive, send)
+
+    app.fastapi_app = recording_fastapi
+    key = {"Authorization": "Bearer sk-1"}
+    assert client.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=key).status_code == 200
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 401
+    assert fastapi_seen == [] and metrics.done == [200, 401]
+    assert client.get("/v1/models", headers=key).status_code == 200
+    assert client.post("/v1/completions/", json={}, headers=key, follow_redirects=False).status_code == 307
+    assert client.get("/v1/completions", headers=key).status_code == 405
+    assert fastapi_seen == [("GET", "/v1/models"), ("POST", "/v1/completions/"), ("GET", "/v1/completions")]
+
+
 def test_completion_json_carries_usage_and_the_ttft_breakdown_is_recorded():
     """A non-streamed completion returns every delta's text, usage, the replica header and one TTFT split."""
     client, metrics = _app()
