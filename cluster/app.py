@@ -121,6 +121,10 @@ def router_peer_options(config: KvtideConfig) -> dict[str, Any]:
         # Light (tokenize + rank) and pinned beside HAProxy: it must not wait for a CPU bundle.
         "ray_actor_options": {"num_cpus": 0},
         "max_ongoing_requests": 4096,
+        # Its "requests" are HAProxy's consults, one per client POST (whose own line the engine
+        # replica logs): an access line each is noise, and Serve buffers them 1,000 at a time,
+        # formatting the lot on the peer's event loop, in front of the consults then waiting.
+        "logging_config": {"enable_access_log": False},
     }
 
 

@@ -203,3 +203,14 @@ def test_the_prompt_pool_follows_the_config_with_tokenizer_copies_or_none():
         update={"router_tokenize_threads": 3})}), tokenizer)
     tokenizers = [pool._free.get_nowait().tokenizer for _ in range(3)]
     assert len({id(t) for t in tokenizers} | {id(tokenizer)}) == 4
+
+
+def test_the_peer_deployment_logs_no_access_line_per_consult():
+    """The routing peer's Serve options turn its access log off (one line per client POST, flushed on its loop)."""
+    from ray import serve
+
+    from kvtide.cluster.app import router_peer_options
+    from kvtide.deployments.router_peer import RouterPeer
+
+    deployment = serve.deployment(RouterPeer).options(**router_peer_options(CONFIG))
+    assert deployment._deployment_config.logging_config["enable_access_log"] is False
