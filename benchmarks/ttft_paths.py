@@ -4,12 +4,16 @@
     python -m kvtide.benchmarks.ttft_paths bare --port 8600     (a bare vLLM server with the same engine flags)
 
 For kvtide, each round sends three requests with fresh 480-word prompts (~1,100 tokens of the
-demo tokenizer; no prefix-cache hits), the full path first in even rounds and last in odd ones:
+demo tokenizer; no prefix-cache hits), the full path first in even rounds and last in odd ones,
+then one short consult:
     full     client → HAProxy → (Lua: consult the routing peer) → engine replica → first token
     consult  client → routing peer's POST /internal/route alone (a new connection each time, as
              HAProxy's Lua opens one per request)
     replica  client → the engine replica's own port, with the peer's headers (token ids), so the
              replica does what it does behind HAProxy
+    consult-short  the consult alone for a 5-word prompt, last in each round: with `consult` it
+             splits the consult into its fixed part (HTTP hop, Serve, ranking) and what grows with
+             the prompt (tokenizing, hashing, the token-id header)
 so full − replica is what HAProxy and the consult add, and replica − bare is what the replica and
 its engine add. The ports are read from the HAProxy config Ray Serve wrote last. TTFT is the first
 SSE chunk carrying tokens, by the load generator's own test (`chunk_has_tokens`).
@@ -31,6 +35,7 @@ from kvtide.benchmarks.loadgen import chunk_has_tokens
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
 HAPROXY_DIR_GLOB = "/tmp/haproxy-serve/*/ingress_request_router.lua"
+SHORT_CONSULT_WORDS = 5
 
 
 def direct_mode_ports(lua_text: str, haproxy_cfg: str) -> tuple[int, int]:
@@ -123,6 +128,7 @@ def measure_paths(server: str, port: int, model: str, rounds: int, seed: int = 1
                     got["consult"], headers = consult_s(peer_port, body)
                 else:
                     got["replica"] = first_token_s(replica_port, body, headers)
+            got["consult-short"], _ = consult_s(peer_port, request_body(rng, model, 3 * i + 2, SHORT_CONSULT_WORDS))
         if i >= 0:
             for path, seconds in got.items():
                 if seconds is not None:

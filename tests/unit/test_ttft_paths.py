@@ -46,3 +46,30 @@ def test_rounds_alternate_whether_the_full_path_goes_first_and_consult_precedes_
     assert round_order(0) == ("full", "consult", "replica")
     assert round_order(1) == ("consult", "replica", "full")
     assert round_order(-5) == round_order(1)
+
+
+def test_each_kvtide_round_also_times_a_short_consult_after_its_paths(monkeypatch):
+    """A kvtide round measures full, consult and replica, then a 5-word consult; warm-up rounds are not kept."""
+    import json
+
+    import kvtide.benchmarks.ttft_paths as tp
+
+    calls: list[tuple[str, int]] = []
+
+    def consult(port, body):
+        calls.append(("consult", len(json.loads(body)["prompt"].split()) - 1))  # minus the serial number
+        return 0.002, {"x": "y"}
+
+    def first_token(port, body, headers=None):
+        calls.append(("replica" if headers else "full", port))
+        return 0.030
+
+    monkeypatch.setattr(tp, "latest_haproxy_files", lambda: ("", ""))
+    monkeypatch.setattr(tp, "direct_mode_ports", lambda lua, cfg: (30000, 30001))
+    monkeypatch.setattr(tp, "consult_s", consult)
+    monkeypatch.setattr(tp, "first_token_s", first_token)
+    paths = tp.measure_paths("kvtide", 8000, "m", rounds=3, words=480)
+    assert {path: len(v) for path, v in paths.items()} == {
+        "full": 3, "consult": 3, "replica": 3, "consult-short": 3, "full - replica": 3}
+    assert calls[-4:] == [("full", 8000), ("consult", 480), ("replica", 30001), ("consult", 5)]  # round 2: full first
+    assert len(calls) == 4 * (5 + 3)
