@@ -2,6 +2,9 @@
 
     python -m kvtide.benchmarks.ttft_paths kvtide [-n 80] [--words 20]   (a running `kvtide serve`, one engine replica)
     python -m kvtide.benchmarks.ttft_paths bare --port 8600     (a bare vLLM server with the same engine flags)
+    python -m kvtide.benchmarks.ttft_paths consults [--batches 8] [--per-batch 100] [--words 480]
+        (the routing peer alone: batches of consults, each batch's p50 beside a short-prompt batch's,
+        to see whether a consult grows as the peer routes more requests)
 
 For kvtide, each round sends three requests with fresh 480-word prompts (~1,100 tokens of the
 demo tokenizer; no prefix-cache hits), the full path first in even rounds and last in odd ones,
@@ -139,16 +142,44 @@ def measure_paths(server: str, port: int, model: str, rounds: int, seed: int = 1
     return paths
 
 
+def consult_batches(model: str, batches: int, per_batch: int, words: int,
+                    seed: int = 1) -> list[dict[str, list[float]]]:
+    """Per batch: consult seconds for `per_batch` fresh `words`-word prompts, then as many 5-word ones.
+
+    Against a running `kvtide serve` in direct mode (the peer's port from HAProxy's files).
+    Every prompt is new, as in `measure_paths`, so the peer's routing state grows as it would.
+    """
+    rng = random.Random(seed)
+    peer_port, _ = direct_mode_ports(*latest_haproxy_files())
+    out = []
+    for batch in range(batches):
+        got: dict[str, list[float]] = {"long": [], "short": []}
+        for kind, n_words in (("long", words), ("short", SHORT_CONSULT_WORDS)):
+            for i in range(per_batch):
+                seconds, _ = consult_s(peer_port, request_body(rng, model, (2 * batch + (kind == "short")) * per_batch + i,
+                                                               n_words))
+                got[kind].append(seconds)
+        out.append(got)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("server", choices=("kvtide", "bare"))
+    parser.add_argument("server", choices=("kvtide", "bare", "consults"))
     parser.add_argument("--port", type=int, default=8000, help="kvtide's HTTP port, or the bare server's")
     parser.add_argument("--model", default="kvtide-demo")
     parser.add_argument("-n", type=int, default=80, help="rounds (after 5 unmeasured ones)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--words", type=int, default=480,
                         help="prompt words; a short prompt keeps the engine's spread from hiding the path's")
+    parser.add_argument("--batches", type=int, default=8, help="consults: batches")
+    parser.add_argument("--per-batch", type=int, default=100, help="consults: consults of each length per batch")
     args = parser.parse_args(argv)
+    if args.server == "consults":
+        for batch, got in enumerate(consult_batches(args.model, args.batches, args.per_batch, args.words, args.seed)):
+            print(f"batch {batch}: {args.words} words {describe(got['long'])}; "
+                  f"{SHORT_CONSULT_WORDS} words {describe(got['short'])}", flush=True)
+        return 0
     for path, samples in measure_paths(args.server, args.port, args.model, args.n, args.seed, args.words).items():
         print(f"{path:8s} {describe(samples)}")
     return 0

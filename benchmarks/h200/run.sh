@@ -13,6 +13,8 @@
 #   bash benchmarks/h200/run.sh overhead-8b-inline  kvtide alone, its routing peer tokenizing on the event loop
 #                                              (router_tokenize_threads=0; CONCURRENCY_AB, default 16,64)
 #   bash benchmarks/h200/run.sh overhead-8b-peer    Ray Serve LLM alone (direct streaming, default router), same levels
+#   bash benchmarks/h200/run.sh consult-8b     the routing peer's consult batch by batch as it routes more (8B shape),
+#                                              py-spy on the peer meanwhile (CONSULT_BATCHES, CONSULT_PROFILE_AFTER_S)
 #   bash benchmarks/h200/run.sh routing        `kvtide bench compare` on the x2 kind: 4 replicas of the 8B shape
 #                                              (2 per GPU), bare / pow2 / prefix_aware / round_robin, Zipf
 #                                              shared-prefix at several open-loop rates (POLICIES, RATES, ...)
@@ -282,26 +284,31 @@ PY
   top -b -n 1 -w 200 | head -30 > "$OUT/profile-top.txt"
   /tmp/site/bin/py-spy record -d 15 -r 200 -p "$eng" --format speedscope -o "$W/engine.speedscope.json" > /dev/null 2>&1
   /tmp/site/bin/py-spy dump -p "$eng" > "$W/engine-dump.txt" 2>&1
-  python3 - "$W/engine.speedscope.json" > "$OUT/profile-engine-top.txt" <<'PY'
-import json, sys, collections
-d = json.load(open(sys.argv[1]))
-frames = d["shared"]["frames"]
-self_c, total_c = collections.Counter(), collections.Counter()
-n = 0
-for prof in d["profiles"]:
-    for stack, w in zip(prof["samples"], prof["weights"]):
-        n += w
-        if stack:
-            self_c[stack[-1]] += w
-        for f in set(stack):
-            total_c[f] += w
-name = lambda i: f'{frames[i]["name"]} ({frames[i].get("file","").split("site-packages/")[-1]}:{frames[i].get("line","")})'
-print("samples", n)
-print("## self"); [print(f"{c/n:6.1%} {name(f)}") for f, c in self_c.most_common(40)]
-print("## total"); [print(f"{c/n:6.1%} {name(f)}") for f, c in total_c.most_common(60)]
-PY
+  python3 "$REPO/benchmarks/h200/speedscope_top.py" "$W/engine.speedscope.json" > "$OUT/profile-engine-top.txt"
   wait $load; cat "$W/profile-load.log" >> "$OUT/profile-top.txt"
   kill -TERM $pid; wait $pid
   tar czf "$OUT/profile.tar.gz" -C "$W" engine.speedscope.json engine-dump.txt profile-serve.log profile-load.log
+  ;;
+consult-8b)  # the routing peer's consult as it routes more requests (8B shape, the overhead run's flags), and
+  # py-spy on the peer while it answers: which part of a consult grows (h200-session-2026-12-03b: 2.0 -> 3.5 ms)
+  build_8b; leftovers consult-8b
+  mkdir -p "$RES/consult-8b"
+  python3 -m kvtide.cluster.cli serve --config "$REPO/cluster/configs/gpu-demo.yaml" --replicas 1 \
+      --set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape \
+      --set engine.gpu_memory_utilization=0.85 --set engine.max_num_seqs=128 \
+      --set http.port=8300 --set metrics.port=8390 > "$W/consult-serve.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 200); do grep -q "kvtide: ready" "$W/consult-serve.log" && break; kill -0 $pid || break; sleep 2; done
+  python3 -m kvtide.benchmarks.ttft_paths consults --model llama-8b-shape --batches "${CONSULT_BATCHES:-10}" \
+      --per-batch 100 > "$RES/consult-8b/batches.txt" 2>&1 &
+  batches=$!
+  sleep "${CONSULT_PROFILE_AFTER_S:-20}"
+  peer=$(pgrep -f "ServeReplica:kvtide:Router" | head -1)
+  /tmp/site/bin/py-spy record -d 15 -r 500 -p "$peer" --format speedscope -o "$W/peer.speedscope.json" > /dev/null 2>&1
+  python3 "$REPO/benchmarks/h200/speedscope_top.py" "$W/peer.speedscope.json" > "$RES/consult-8b/peer-top.txt"
+  wait $batches
+  kill -TERM $pid; wait $pid
+  tar czf "$RES/consult-8b/peer-profile.tar.gz" -C "$W" peer.speedscope.json consult-serve.log
+  cat "$RES/consult-8b/batches.txt"; head -30 "$RES/consult-8b/peer-top.txt"
   ;;
 esac

@@ -73,3 +73,25 @@ def test_each_kvtide_round_also_times_a_short_consult_after_its_paths(monkeypatc
         "full": 3, "consult": 3, "replica": 3, "consult-short": 3, "full - replica": 3}
     assert calls[-4:] == [("full", 8000), ("consult", 480), ("replica", 30001), ("consult", 5)]  # round 2: full first
     assert len(calls) == 4 * (5 + 3)
+
+
+def test_consult_batches_pair_long_and_short_fresh_prompts(monkeypatch):
+    """Each batch times its long prompts, then as many 5-word ones, every prompt with a serial of its own."""
+    import json
+
+    import kvtide.benchmarks.ttft_paths as tp
+
+    sent: list[tuple[int, int]] = []
+
+    def consult(port, body):
+        serial, *words = json.loads(body)["prompt"].split()
+        sent.append((int(serial), len(words)))
+        return 0.001, {}
+
+    monkeypatch.setattr(tp, "latest_haproxy_files", lambda: ("", ""))
+    monkeypatch.setattr(tp, "direct_mode_ports", lambda lua, cfg: (30000, 30001))
+    monkeypatch.setattr(tp, "consult_s", consult)
+    batches = tp.consult_batches("m", batches=2, per_batch=3, words=40)
+    assert [(len(b["long"]), len(b["short"])) for b in batches] == [(3, 3), (3, 3)]
+    assert [n for _, n in sent] == [40, 40, 40, 5, 5, 5] * 2
+    assert len({serial for serial, _ in sent}) == 12
