@@ -290,7 +290,8 @@ PY
   tar czf "$OUT/profile.tar.gz" -C "$W" engine.speedscope.json engine-dump.txt profile-serve.log profile-load.log
   ;;
 consult-8b)  # the routing peer's consult as it routes more requests (8B shape, the overhead run's flags), and
-  # py-spy on the peer while it answers: which part of a consult grows (h200-session-2026-12-03b: 2.0 -> 3.5 ms)
+  # py-spy (--gil: what holds the loop, as in results/consult-cpu-burst-profile) on the peer while it answers:
+  # which part of a consult grows (h200-session-2026-12-03b: 2.0 -> 3.5 ms)
   build_8b; leftovers consult-8b
   mkdir -p "$RES/consult-8b"
   python3 -m kvtide.cluster.cli serve --config "$REPO/cluster/configs/gpu-demo.yaml" --replicas 1 \
@@ -304,7 +305,7 @@ consult-8b)  # the routing peer's consult as it routes more requests (8B shape, 
   batches=$!
   sleep "${CONSULT_PROFILE_AFTER_S:-20}"
   peer=$(pgrep -f "ServeReplica:kvtide:Router" | head -1)
-  /tmp/site/bin/py-spy record -d 15 -r 500 -p "$peer" --format speedscope -o "$W/peer.speedscope.json" > /dev/null 2>&1
+  /tmp/site/bin/py-spy record -d 15 -r 500 --gil -p "$peer" --format speedscope -o "$W/peer.speedscope.json" > /dev/null 2>&1
   python3 "$REPO/benchmarks/h200/speedscope_top.py" "$W/peer.speedscope.json" > "$RES/consult-8b/peer-top.txt"
   wait $batches
   kill -TERM $pid; wait $pid
