@@ -115,7 +115,8 @@ def request_router_config(config: KvtideConfig) -> RequestRouterConfig | None:
 
 
 def router_peer_options(config: KvtideConfig) -> dict[str, Any]:
-    """Direct mode's routing peer: Ray pins one replica per HAProxy node (num_replicas is ignored)."""
+    """Direct mode's routing peer: Ray pins http.router_replicas_per_node replicas to each HAProxy node
+    (RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE, set with the cluster's environment; num_replicas is ignored)."""
     return {
         "name": ROUTER_DEPLOYMENT,
         # Light (tokenize + rank) and pinned beside HAProxy: it must not wait for a CPU bundle.

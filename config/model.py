@@ -214,6 +214,14 @@ class HttpConfig(Strict):
                                     "the tokenizer (0: on the peer's event loop). HAProxy consults the peer before "
                                     "every POST; tokenized one after another, a burst of requests reaches the "
                                     "engine spread over several engine steps.")
+    router_replicas_per_node: int = Field(
+        1, ge=1, le=16, description="Routing peer replicas per HAProxy node (RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE); "
+                                    "HAProxy's Lua takes them in turn. Each peer answers one consult at a time on its "
+                                    "event loop (~1.5-2.4 ms each in a burst on the 2-core CPU), so a burst of N "
+                                    "requests waits up to N of them; more peers answer a burst side by side, but each "
+                                    "books only its own picks, so requests of one new prefix split across peers may "
+                                    "prefill it on more than one replica until the engines' next cache report. "
+                                    "Not yet measured on a GPU.")
 
 
 class MetricsConfig(Strict):
@@ -280,6 +288,7 @@ class KvtideConfig(Strict):
                 # that can be retried (http.router_buffer_bytes says how much).
                 "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
                 "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(self.http.router_buffer_bytes),
+                "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE": str(self.http.router_replicas_per_node),
                 # Retry before the first byte: a replica that refuses the connection (dead,
                 # draining) is retried on another. HAProxy balances by least connections, so a
                 # dead replica (no connections) is picked again until its third refused

@@ -13,6 +13,7 @@
 #   bash benchmarks/h200/run.sh overhead-8b-inline  kvtide alone, its routing peer tokenizing on the event loop
 #                                              (router_tokenize_threads=0; CONCURRENCY_AB, default 16,64)
 #   bash benchmarks/h200/run.sh overhead-8b-peer    Ray Serve LLM alone (direct streaming, default router), same levels
+#   bash benchmarks/h200/run.sh overhead-8b-peers2  kvtide alone with two routing peers per node (bursts of consults)
 #   bash benchmarks/h200/run.sh consult-8b     the routing peer's consult batch by batch as it routes more (8B shape),
 #                                              py-spy on the peer meanwhile (CONSULT_BATCHES, CONSULT_PROFILE_AFTER_S)
 #   bash benchmarks/h200/run.sh routing        `kvtide bench compare` on the x2 kind: 4 replicas of the 8B shape
@@ -246,12 +247,14 @@ overhead-demo)
       --no-progress --out-dir "$RES/overhead-demo" > "$RES/overhead-demo.log" 2>&1
   tail -15 "$RES/overhead-demo/report.md"
   ;;
-overhead-8b|overhead-8b-inline|overhead-8b-peer)
+overhead-8b|overhead-8b-inline|overhead-8b-peer|overhead-8b-peers2)
   # -inline: kvtide alone with the routing peer tokenizing on its event loop (router_tokenize_threads=0),
-  # the A/B of the default's tokenizer threads; -peer: Ray Serve LLM (direct streaming, default router).
+  # the A/B of the default's tokenizer threads; -peer: Ray Serve LLM (direct streaming, default router);
+  # -peers2: kvtide alone with two routing peers per node (http.router_replicas_per_node=2), all levels.
   build_8b; leftovers "$1"
   case "$1" in
     overhead-8b-inline) servers=kvtide; extra=(--set http.router_tokenize_threads=0); conc=${CONCURRENCY_AB:-16,64} ;;
+    overhead-8b-peers2) servers=kvtide; extra=(--set http.router_replicas_per_node=2); conc=${CONCURRENCY:-1,16,64} ;;
     overhead-8b-peer) servers=ray-serve-llm; extra=(); conc=${CONCURRENCY:-1,16,64} ;;
     *) servers=${SERVERS:-kvtide,vllm}; extra=(); conc=${CONCURRENCY:-1,16,64} ;;
   esac

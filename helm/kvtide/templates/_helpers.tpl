@@ -221,6 +221,8 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
   value: "1"
 - name: RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE
   value: {{ dig "http" "router_buffer_bytes" 262144 .Values.kvtide | int64 | toString | quote }}
+- name: RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE
+  value: {{ dig "http" "router_replicas_per_node" 1 .Values.kvtide | int64 | toString | quote }}
 - name: RAY_SERVE_HAPROXY_RETRIES
   value: {{ add 3 (dig "ingress" "admission" "max_retries" 2 .Values.kvtide | int64) | toString | quote }}
 - name: RAY_SERVE_HAPROXY_RETRY_ON
