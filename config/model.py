@@ -217,8 +217,7 @@ class HttpConfig(Strict):
     router_replicas_per_node: int = Field(
         1, ge=1, le=16, description="Routing peer replicas per HAProxy node (RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE); "
                                     "HAProxy's Lua takes them in turn. Each peer answers one consult at a time on its "
-                                    "event loop (~1.5-2.4 ms each in a burst on the 2-core CPU), so a burst of N "
-                                    "requests waits up to N of them; more peers answer a burst side by side, but each "
+                                    "event loop, so a burst of N requests waits up to N of them; more peers answer a burst side by side, but each "
                                     "books only its own picks, so requests of one new prefix split across peers may "
                                     "prefill it on more than one replica until the engines' next cache report. "
                                     "Not yet measured on a GPU.")

@@ -95,8 +95,8 @@ class OpenAIApp:
         return self.fastapi_app.routes
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        endpoint = (GENERATION_ROUTES.get(get_route_path(scope))
-                    if scope["type"] == "http" and scope["method"] == "POST" else None)
+        path = get_route_path(scope) if scope["type"] == "http" and scope["method"] == "POST" else None
+        endpoint = GENERATION_ROUTES.get(path) if path is not None else None
         if endpoint is None:
             await self.fastapi_app(scope, receive, send)
             return
@@ -104,7 +104,7 @@ class OpenAIApp:
         try:
             _authorize(self.api_keys, request)
         except _Unauthorized as exc:
-            response = _unauthorized_response(self.frontend, get_route_path(scope), exc)
+            response = _unauthorized_response(self.frontend, path, exc)
         else:
             response = await self.frontend.handle(request, endpoint)  # every failure is an OpenAI body
         await response(scope, receive, send)
