@@ -1,6 +1,6 @@
 """What an engine replica reports to the autoscaler: the keys of `record_autoscaling_stats()`.
 
-The boundary between the engine (kvtide.deployments.engine, which reports) and the Ray
+The boundary between the engine (kvtide.deployments.engine.replica, which reports) and the Ray
 policy adapter (kvtide.autoscaling.ray_policy, which reads `ctx.aggregated_metrics` /
 `ctx.raw_metrics` by these keys). Pure: no Ray, no vLLM, so the engine imports it without
 pulling in the adapter.

@@ -76,7 +76,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import httpx
 
 from kvtide.benchmarks.report import DEFAULT_SLO_TTFT_S, percentile
-from kvtide.deployments.start_phases import PHASES
+from kvtide.deployments.engine.start_phases import PHASES
 
 VARIANT_NAMES = ("kv", "kv-cold", "queue_length", "fixed-max")
 VARIANT_KEYS = ("variant", "step_to_decision_s", "step_to_serving_s", "new_replica_hot_ttft_p50_ms",

@@ -107,7 +107,7 @@ def gpu_devices(rank: int, tensor_parallel_size: int, gpus_per_worker: float, vi
 def server_specs(config: KvtideConfig, ports: Sequence[int], cores: Sequence[int],
                  visible_gpus: Sequence[str]) -> list[ServerSpec]:
     """One spec per port, each bound to its own cores (CPU) or GPUs, the way kvtide binds replica `rank`."""
-    from kvtide.deployments.placement import cpu_threads_bind
+    from kvtide.deployments.engine.placement import cpu_threads_bind
 
     tp = config.engine.tensor_parallel_size
     specs = []
@@ -240,8 +240,8 @@ def _save_metrics(specs: Sequence[ServerSpec], log_dir: Path) -> None:
 def running(config: KvtideConfig, log_dir: str | Path, *, request_timeout_s: float = 300.0,
             balancer: str = "auto") -> Iterator[BareFleet]:
     """Start N bare vLLM servers and a round-robin balancer; yield the fleet; stop every process they started."""
-    from kvtide.deployments.demo_model import resolve_model
-    from kvtide.deployments.placement import engine_kwargs
+    from kvtide.deployments.engine.demo_model import resolve_model
+    from kvtide.deployments.engine.placement import engine_kwargs
 
     if balancer not in BALANCERS:
         raise ValueError(f"balancer {balancer!r}: choose from {BALANCERS}")

@@ -28,8 +28,8 @@ def demo_prompts() -> tuple[Any, Any]:
     """The embedded demo config (served as 'kvtide-demo') and a PromptBuilder over its tokenizer."""
     from kvtide.cluster.cli import default_config_path
     from kvtide.config.model import load_config
-    from kvtide.deployments.demo_model import resolve_model
-    from kvtide.deployments.prompts import PromptBuilder, load_tokenizer
+    from kvtide.deployments.engine.demo_model import resolve_model
+    from kvtide.deployments.frontend.prompts import PromptBuilder, load_tokenizer
 
     config = load_config(default_config_path(), [f"model={resolve_model('demo')}", "served_model_name=kvtide-demo"])
     return config, PromptBuilder(config, load_tokenizer(config))
@@ -43,7 +43,7 @@ def run(batches: int, per_batch: int, words: int, seed: int = 1, config: Any = N
     (default: the demo model's, `demo_prompts`).
     """
     from kvtide.benchmarks.ttft_paths import request_body
-    from kvtide.deployments.hot_prefixes import HotPrefixTracker
+    from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
     from kvtide.deployments.messages import RoutingKey
     from kvtide.deployments.router_peer import route_headers, routing_prompt_and_hashes
     from kvtide.deployments.routing.fleet import DIGEST_SLICE_BLOCKS, FleetView

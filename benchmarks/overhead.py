@@ -22,7 +22,7 @@ Reported per level: TTFT p50/p99, ITL mean (decode time / (tokens - 1), per requ
 averaged) and p99 (of the gaps between streamed chunks), output tokens/s, and the ratio
 of each to bare vLLM at the same level. Bursty streams make an ITL p50 meaningless.
 Engine settings come from the kvtide config (`--config`, default the CPU demo config)
-through `deployments.placement.engine_kwargs`, so every server runs the identical engine.
+through `deployments.engine.placement.engine_kwargs`, so every server runs the identical engine.
 """
 
 from __future__ import annotations
@@ -294,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvtide.benchmarks.workloads import calibrate_tokens_per_word
     from kvtide.cluster.cli import default_config_path
     from kvtide.config import load_config
-    from kvtide.deployments.demo_model import resolve_model
-    from kvtide.deployments.placement import cpu_threads_bind, engine_kwargs
+    from kvtide.deployments.engine.demo_model import resolve_model
+    from kvtide.deployments.engine.placement import cpu_threads_bind, engine_kwargs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", "-c", help="kvtide config YAML (default: the CPU demo config)")

@@ -54,7 +54,7 @@ def llm_config_kwargs(config: KvtideConfig, model_path: str, router_class: str |
     `router_class` None keeps Ray Serve LLM's default router (the serving-overhead comparison).
     """
     from kvtide.benchmarks.bare_fleet import fleet_size
-    from kvtide.deployments.placement import engine_kwargs
+    from kvtide.deployments.engine.placement import engine_kwargs
 
     kwargs = engine_kwargs(config, model_path)
     gpu = config.resources.device == "gpu"
@@ -99,8 +99,8 @@ def running(config: KvtideConfig, log_dir: str | Path, router_class: str | None 
     """Start Ray Serve LLM (`router_class`, direct streaming) in a child process; yield it; stop it."""
     from kvtide.benchmarks.bare_fleet import fleet_size
     from kvtide.benchmarks.overhead import server_process
-    from kvtide.deployments.demo_model import resolve_model
-    from kvtide.deployments.placement import logical_cpus_needed
+    from kvtide.deployments.engine.demo_model import resolve_model
+    from kvtide.deployments.engine.placement import logical_cpus_needed
 
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)

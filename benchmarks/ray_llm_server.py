@@ -13,7 +13,7 @@ import os
 from ray import serve
 from ray.serve.llm import LLMServer
 
-from kvtide.deployments.placement import cpu_threads_bind
+from kvtide.deployments.engine.placement import cpu_threads_bind
 
 CORES_ENV = "KVTIDE_BENCH_CORES"  # the cores the benchmark may bind engines to, comma-separated
 

@@ -15,14 +15,14 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from kvtide.autoscaling.ray_policy import autoscaling_config
 from kvtide.config import DEMO_MODEL, KvtideConfig, config_to_dict, parse_config
-from kvtide.deployments.placement import placement_bundles, replica_actor_options
-from kvtide.deployments.admission import admission_limits
-from kvtide.deployments.engine import EngineReplica
+from kvtide.deployments.engine.placement import placement_bundles, replica_actor_options
+from kvtide.deployments.frontend.admission import admission_limits
+from kvtide.deployments.engine.replica import EngineReplica
 from kvtide.deployments.ingress import Ingress
 from kvtide.deployments.names import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, ROUTER_DEPLOYMENT
 from kvtide.deployments.router_peer import RouterPeer
 from kvtide.deployments.server import EngineServer
-from kvtide.deployments.router import PrefixAwareRouter, RoundRobinRouter
+from kvtide.deployments.routing.ray_router import PrefixAwareRouter, RoundRobinRouter
 
 # How long a stopping engine replica may drain when requests have no deadline.
 DRAIN_TIMEOUT_WITHOUT_DEADLINE_S = 600.0
@@ -94,19 +94,19 @@ RAY_PREFIX_ROUTER_KWARGS = {
 
 
 def request_router_config(config: KvtideConfig) -> RequestRouterConfig | None:
-    """The engine deployment's router for `routing.policy` (pow2 and ray_prefix: Ray's routers, deployments.baseline_routers)."""
+    """The engine deployment's router for `routing.policy` (pow2 and ray_prefix: Ray's routers, deployments.routing.ray_baselines)."""
     routing = config.routing
     # The baselines are Ray's own routers, wrapped so that direct mode's pick-only calls route
-    # as those routers were designed to (deployments.baseline_routers says why); by import
+    # as those routers were designed to (deployments.routing.ray_baselines says why); by import
     # path, so that only a process that routes with them imports Ray Serve LLM.
     if routing.policy == "pow2":
-        return RequestRouterConfig(request_router_class="kvtide.deployments.baseline_routers:Pow2Router",
+        return RequestRouterConfig(request_router_class="kvtide.deployments.routing.ray_baselines:Pow2Router",
                                    request_routing_stats_period_s=routing.stats_period_s)
     if routing.policy == "round_robin":
         return RequestRouterConfig(request_router_class=RoundRobinRouter,
                                    request_routing_stats_period_s=routing.stats_period_s)
     if routing.policy == "ray_prefix":
-        return RequestRouterConfig(request_router_class="kvtide.deployments.ray_prefix_router:RayPrefixRouter",
+        return RequestRouterConfig(request_router_class="kvtide.deployments.routing.ray_prefix_baseline:RayPrefixRouter",
                                    request_router_kwargs=RAY_PREFIX_ROUTER_KWARGS,
                                    request_routing_stats_period_s=routing.stats_period_s)
     kwargs = {"block_size": config.engine.block_size, "routing": routing.model_dump(mode="json")}
@@ -132,7 +132,7 @@ def router_peer_options(config: KvtideConfig) -> dict[str, Any]:
 def build_from_config(config: KvtideConfig) -> Application:
     if config.model == DEMO_MODEL:
         # Build the local demo checkpoint once, here, and hand its path to every replica.
-        from kvtide.deployments.demo_model import build_demo_model
+        from kvtide.deployments.engine.demo_model import build_demo_model
 
         config = config.model_copy(update={"model": str(build_demo_model()),
                                            "served_model_name": config.model_name})

@@ -86,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
-    from kvtide.deployments.demo_model import build_demo_model
+    from kvtide.deployments.engine.demo_model import build_demo_model
 
     print(build_demo_model(force=args.force))
     return 0

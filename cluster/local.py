@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from kvtide.cluster.startup import FAILURE_PREFIXES, StartupWatch
 from kvtide.config import KvtideConfig
-from kvtide.deployments.placement import logical_cpus_needed
+from kvtide.deployments.engine.placement import logical_cpus_needed
 
 logger = logging.getLogger("kvtide.local")
 

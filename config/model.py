@@ -43,7 +43,7 @@ HAPROXY_MARK_DOWN_ERRORS = 3
 # HAProxy's retry-on in direct mode (the reason is at its use in ray_process_env).
 HAPROXY_RETRY_ON = "conn-failure empty-response junk-response 503"
 
-# The demo model's name in configs; resolved to its local cache dir by kvtide.deployments.demo_model.
+# The demo model's name in configs; resolved to its local cache dir by kvtide.deployments.engine.demo_model.
 DEMO_MODEL = "demo"
 
 # Block sizes vLLM's paged KV cache accepts (powers of two from 1 to 256 on CPU and GPU).
@@ -143,7 +143,7 @@ class ResourcesConfig(Strict):
 class AdmissionConfig(Strict):
     """Overload protection: bounded concurrency and queue, then 429; a deadline, then 504.
 
-    deployments.admission documents the derivation; null limits follow the engine fleet.
+    deployments.frontend.admission documents the derivation; null limits follow the engine fleet.
     """
 
     max_ongoing_requests: int | None = Field(

@@ -49,8 +49,8 @@ class Kind(str, enum.Enum):
 class Source(str, enum.Enum):
     """Who exports the series; the docs group by it."""
 
-    INGRESS = "ingress"  # deployments/ingress_metrics.py
-    ROUTER = "router"  # deployments/router.py
+    INGRESS = "ingress"  # deployments/frontend/metrics.py
+    ROUTER = "router"  # deployments/routing/ray_router.py
     AUTOSCALER = "autoscaler"  # autoscaling/metrics.py
     ENGINE = "engine"  # the engine replica: vLLM through vllm.v1.metrics.ray_wrappers, and kvtide's own
     SERVE = "serve"  # Ray Serve's controller, proxy and replicas
@@ -95,7 +95,7 @@ PREDICTED_HIT_CHECKED = "routing.policy prefix_aware and one finished request wi
 DIGEST_HELD = "routing.policy prefix_aware with engine prefix caching on (engines report cache digests)"
 
 CATALOG: tuple[Metric, ...] = (
-    # --- ingress (deployments/ingress_metrics.py) ---------------------------------------
+    # --- ingress (deployments/frontend/metrics.py) ---------------------------------------
     Metric("ray_kvtide_time_to_first_token_seconds", _H, _I, _ING, "s",
            "Arrival at the ingress to the first output token (buckets 5 ms .. 60 s).", "model"),
     Metric("ray_kvtide_inter_token_latency_seconds", _H, _I, _ING, "s",
@@ -126,7 +126,7 @@ CATALOG: tuple[Metric, ...] = (
            "checked request with a hit on either side (true misses are only counted); direction: over (router "
            "predicted more than the engine had), under, exact. Buckets 1 (exact) .. 16384.", "model",
            needs=PREDICTED_HIT_CHECKED),
-    # --- engine replica, kvtide's own (deployments/engine.py) --------------------------------
+    # --- engine replica, kvtide's own (deployments/engine/replica.py) --------------------------------
     Metric("ray_kvtide_engine_aborted_requests_total", _C, _E, ("model",), "requests",
            "Requests aborted inside the engine because the caller went away (vLLM does not count aborts).",
            "model", needs="a first abort (client disconnect mid-request)"),
@@ -137,7 +137,7 @@ CATALOG: tuple[Metric, ...] = (
            "Seconds the replica's start-up spent per phase: process (actor process start to constructor), "
            "import (vLLM in the replica), engine (engine-core spawn, model load, KV cache, CUDA graphs), "
            "warm_start (hot-prefix prefill).", "model", needs="a replica that finished starting"),
-    # --- router (deployments/router.py; in each ingress replica's process) ---------------------
+    # --- router (deployments/routing/ray_router.py; in each ingress replica's process) ---------------------
     Metric("ray_kvtide_router_decisions_total", _C, _R, ("policy", "outcome", "route"), "decisions",
            "Routing decisions by policy, outcome (cache_hit, load_fallback, no_match) and route (session: the "
            "replica of the session's last turn; replicated: a hot prefix group spread over k >= 2 replicas; "

@@ -17,9 +17,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from kvtide.config import KvtideConfig, parse_config
-from kvtide.deployments.engine_client import HandleEngineClient
-from kvtide.deployments.hot_prefixes import HotPrefixTracker
-from kvtide.deployments.openai_app import build_frontend, build_openai_app
+from kvtide.deployments.frontend.engine_client import HandleEngineClient
+from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
+from kvtide.deployments.frontend.app import build_frontend, build_openai_app
 
 READY_TIMEOUT_S = 5.0
 

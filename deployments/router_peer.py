@@ -34,10 +34,10 @@ from ray.serve.handle import DeploymentHandle
 
 from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig, parse_config
-from kvtide.deployments.hot_prefixes import HotPrefixTracker
+from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.messages import RoutingKey
-from kvtide.deployments.prompt_pool import PromptPool
-from kvtide.deployments.prompts import SESSION_HEADER, Prompt, PromptBuilder, load_tokenizer, session_key
+from kvtide.deployments.frontend.prompt_pool import PromptPool
+from kvtide.deployments.frontend.prompts import SESSION_HEADER, Prompt, PromptBuilder, load_tokenizer, session_key
 from kvtide.deployments.routing.block_hash import block_hashes, salt_root
 from kvtide.deployments.routing.trust import prediction_header
 

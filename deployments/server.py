@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from ray import serve
 
-from kvtide.deployments.engine import EngineReplica
-from kvtide.deployments.engine_client import LocalEngineClient
+from kvtide.deployments.engine.replica import EngineReplica
+from kvtide.deployments.frontend.engine_client import LocalEngineClient
 from kvtide.deployments.names import ROUTER_DEPLOYMENT
-from kvtide.deployments.openai_app import build_frontend, build_openai_app
+from kvtide.deployments.frontend.app import build_frontend, build_openai_app
 
 
 @serve.ingress()

@@ -20,7 +20,7 @@ def main(target: str) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvtide.deployments.demo_model import build_demo_model
+    from kvtide.deployments.engine.demo_model import build_demo_model
 
     out = Path(target)
     if (out / "config.json").is_file():

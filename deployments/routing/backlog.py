@@ -1,6 +1,6 @@
 """Prefill tokens ahead of a new request on each replica, drained between reports at the engine's rate.
 
-Why: a replica's report (pending prefill tokens, `deployments.pending_prefill`) is up to a
+Why: a replica's report (pending prefill tokens, `deployments.engine.pending_prefill`) is up to a
 stats period (~1 s) old when the router reads it, plus the picks this router booked since.
 Read as is, a replica caught mid-prefill at its report looks loaded for the whole period,
 though a 2k-token prefill ends in ~0.1 s on a GPU; the picks of that period then herd onto

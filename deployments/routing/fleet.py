@@ -41,7 +41,7 @@ from kvtide.deployments.routing.pick_load import PickCounts
 from kvtide.deployments.routing.policy import RouterState
 from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
 
-# Block updates per digest slice in the router (deployments.router): each slice decodes and sets
+# Block updates per digest slice in the router (deployments.routing.ray_router): each slice decodes and sets
 # apart its own part of the delta, then updates the index (`PrefixIndex._apply_delta_steps`),
 # ~0.6 µs a block all told, so a slice holds the loop ~10 µs at p50 and ~30 µs at p99 on the
 # benchmark (benchmarks/results/router_microbench.md); a push of ~1,000 changed blocks is ~60

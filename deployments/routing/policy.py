@@ -54,7 +54,7 @@ cost and guard moved requests off the replica holding their prefix as queues gre
 move a cold prefill that evicted another group there: the hit rate fell from 0.75 to
 0.15 as the load rose, against an oracle of 0.79-0.94. A queued hit costs ~100 tokens, a
 queued miss thousands; engines report the uncached tokens they have yet to prefill
-(`deployments.pending_prefill`). Between reports (~1 s) a pick-only router adds its own
+(`deployments.engine.pending_prefill`). Between reports (~1 s) a pick-only router adds its own
 picks (`FleetView.book_pick`): each is one queued request, and its uncached prompt tokens
 beyond one queued request's worth are pending prefill, until the next report includes
 them. Counting the larger of the two (not their sum) keeps a short cold prompt from

@@ -145,7 +145,7 @@ def test_health_and_ready(http):
 
 def test_a_client_cannot_supply_the_routed_tokens_header(cluster, http):
     """Through HAProxy a client's copy of the peer-only token header is dropped: the prompt is the body's."""
-    from kvtide.deployments.prompts import ROUTED_TOKENS_HEADER, encode_token_ids
+    from kvtide.deployments.frontend.prompts import ROUTED_TOKENS_HEADER, encode_token_ids
 
     body = {"model": cluster.model_name, "prompt": "def fibonacci(n):", "max_tokens": 1, "ignore_eos": True}
     plain = http.post("/v1/completions", json=body)

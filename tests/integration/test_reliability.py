@@ -247,7 +247,7 @@ def _replica_pids(app: str) -> dict[str, list[int]]:
 
 def _kv_cache_tokens_per_engine(cluster_config) -> int:
     """Tokens one engine's KV cache holds: kv_cache_memory_bytes over the demo model's KV bytes per token."""
-    from kvtide.deployments.demo_model import build_demo_model
+    from kvtide.deployments.engine.demo_model import build_demo_model
 
     model = json.loads((build_demo_model() / "config.json").read_text())
     head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]

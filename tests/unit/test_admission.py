@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtide.config import ConfigError, parse_config
-from kvtide.deployments.admission import (
+from kvtide.deployments.frontend.admission import (
     AdmissionGate,
     Deadline,
     admission_limits,

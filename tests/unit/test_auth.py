@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtide.config import parse_config
-from kvtide.deployments.auth import ApiKeys, AuthConfigError, authorize, bearer_token, keys_from_text, load_api_keys
+from kvtide.deployments.frontend.auth import ApiKeys, AuthConfigError, authorize, bearer_token, keys_from_text, load_api_keys
 
 KEY = "sk-kvtide-0123456789abcdef"
 

@@ -17,8 +17,8 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.request_router import PendingRequest
 
 from kvtide.cluster.app import RAY_PREFIX_ROUTER_KWARGS
-from kvtide.deployments.baseline_routers import Pow2Router
-from kvtide.deployments.ray_prefix_router import RayPrefixRouter
+from kvtide.deployments.routing.ray_baselines import Pow2Router
+from kvtide.deployments.routing.ray_prefix_baseline import RayPrefixRouter
 from kvtide.deployments.messages import RoutingKey
 from kvtide.deployments.routing.pick_load import PickOnlyLoad
 

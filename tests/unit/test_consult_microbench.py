@@ -6,7 +6,7 @@ from fakes import FakeTokenizer
 
 from kvtide.benchmarks.consult_microbench import PARTS, run
 from kvtide.config import parse_config
-from kvtide.deployments.prompts import PromptBuilder
+from kvtide.deployments.frontend.prompts import PromptBuilder
 
 
 def test_each_batch_times_every_part_and_the_parts_fit_in_the_consult():

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from kvtide.deployments.core_pinning import EngineCorePin, threads_to_free
+from kvtide.deployments.engine.core_pinning import EngineCorePin, threads_to_free
 
 # A stand-in engine core: one helper thread at start, another each time it reads a line (as vLLM's
 # lazily started pools do), each announced on stdout once it runs.

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvtide.deployments.demo_model import DemoModelSpec, build_demo_model
+from kvtide.deployments.engine.demo_model import DemoModelSpec, build_demo_model
 
 # A much smaller spec keeps this test fast; determinism does not depend on size.
 TINY = DemoModelSpec(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtide.deployments import engine_stats
-from kvtide.deployments.engine_stats import EngineLoad, check_stat_fields, load_logger_factory
+from kvtide.deployments.engine import stats as engine_stats
+from kvtide.deployments.engine.stats import EngineLoad, check_stat_fields, load_logger_factory
 
 
 def test_installed_vllm_has_every_stat_field_kvtide_reads():

@@ -15,14 +15,14 @@ from ray.serve.exceptions import BackPressureError
 from fakes import FakeTokenizer
 
 from kvtide.config import parse_config
-from kvtide.deployments.admission import Deadline, admission_limits
-from kvtide.deployments.auth import ApiKeys
-from kvtide.deployments.engine_client import HandleEngineClient, LocalEngineClient
-from kvtide.deployments.frontend import OpenAIFrontend
+from kvtide.deployments.frontend.admission import Deadline, admission_limits
+from kvtide.deployments.frontend.auth import ApiKeys
+from kvtide.deployments.frontend.engine_client import HandleEngineClient, LocalEngineClient
+from kvtide.deployments.frontend.pipeline import OpenAIFrontend
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec
-from kvtide.deployments.openai_app import build_openai_app
-from kvtide.deployments.prompts import ROUTED_TOKENS_HEADER, PromptBuilder, encode_token_ids
-from kvtide.deployments.protocol import ApiError
+from kvtide.deployments.frontend.app import build_openai_app
+from kvtide.deployments.frontend.prompts import ROUTED_TOKENS_HEADER, PromptBuilder, encode_token_ids
+from kvtide.deployments.frontend.protocol import ApiError
 from kvtide.deployments.routing.trust import PREDICTED_CACHED_TOKENS_HEADER, Comparison, write_prediction
 
 CONFIG = parse_config({"model": "/m", "served_model_name": "m", "engine": {"max_model_len": 64}})
@@ -311,7 +311,7 @@ def test_routed_tokens_header_is_used_only_where_trusted(trusted, expected_promp
 
 def test_a_salted_request_carries_its_salt_and_salted_hashes_and_is_never_a_hot_prefix():
     """cache_salt reaches the engine, the routing hashes start at its root, and the hot-prefix tracker never sees it."""
-    from kvtide.deployments.hot_prefixes import HotPrefixTracker
+    from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
     from kvtide.deployments.routing.block_hash import block_hashes, salt_root
 
     seen: list[GenerateRequest] = []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtide.deployments.hot_prefixes import HotPrefixTracker
+from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.routing.block_hash import block_hashes
 
 BS = 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtide.deployments.kv_cache_tracker import KvCacheTracker
+from kvtide.deployments.engine.kv_cache_tracker import KvCacheTracker
 from kvtide.deployments.routing.block_hash import block_hashes
 
 BS = 4

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtide.deployments.pending_prefill import PendingPrefill
+from kvtide.deployments.engine.pending_prefill import PendingPrefill
 
 
 def test_uncached_tokens_subtracts_whole_cached_blocks():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtide.config import parse_config
-from kvtide.deployments.placement import (
+from kvtide.deployments.engine.placement import (
     bound_cores,
     cpu_threads_bind, engine_kwargs, logical_cpus_needed, placement_bundles, replica_actor_options)
 

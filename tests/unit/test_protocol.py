@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvtide.deployments.protocol import (
+from kvtide.deployments.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Usage,

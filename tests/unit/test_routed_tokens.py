@@ -10,14 +10,14 @@ from ray.serve._private.constants import SERVE_INGRESS_ROUTER_HEADER_PREFIX
 from fakes import FakeTokenizer
 
 from kvtide.config import parse_config
-from kvtide.deployments.prompts import (
+from kvtide.deployments.frontend.prompts import (
     MAX_ROUTED_TOKENS,
     ROUTED_TOKENS_HEADER,
     PromptBuilder,
     decode_token_ids,
     encode_token_ids,
 )
-from kvtide.deployments.protocol import ApiError
+from kvtide.deployments.frontend.protocol import ApiError
 
 CONFIG = parse_config({"model": "/m", "served_model_name": "m", "engine": {"max_model_len": 64}})
 

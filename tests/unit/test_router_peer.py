@@ -21,11 +21,11 @@ from ray.serve.request_router import PendingRequest
 from fakes import FakeTokenizer, settle_digest_slices
 
 from kvtide.config import parse_config
-from kvtide.deployments.hot_prefixes import HotPrefixTracker
+from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.messages import RoutingKey
-from kvtide.deployments.prompt_pool import PromptPool
-from kvtide.deployments.prompts import ROUTED_TOKENS_HEADER, PromptBuilder
-from kvtide.deployments.router import PrefixAwareRouter
+from kvtide.deployments.frontend.prompt_pool import PromptPool
+from kvtide.deployments.frontend.prompts import ROUTED_TOKENS_HEADER, PromptBuilder
+from kvtide.deployments.routing.ray_router import PrefixAwareRouter
 from kvtide.deployments.router_peer import HEADER_HEADROOM_BYTES, RouterPeer, route_app, route_headers
 from kvtide.deployments.routing.block_hash import block_hashes
 from kvtide.deployments.routing.snapshot import CacheDigest

@@ -17,7 +17,7 @@ from ray.serve.request_router import PendingRequest
 from fakes import settle_digest_slices
 
 from kvtide.deployments.messages import GenerateRequest, RoutingKey, SamplingSpec
-from kvtide.deployments.router import DIGEST_AGE_RECORD_INTERVAL_S, PrefixAwareRouter
+from kvtide.deployments.routing.ray_router import DIGEST_AGE_RECORD_INTERVAL_S, PrefixAwareRouter
 from kvtide.deployments.routing.block_hash import block_hashes
 from kvtide.deployments.routing.snapshot import CacheDigest
 from kvtide.deployments.routing.trust import Prediction, read_prediction

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvtide.deployments.kv_cache_tracker import KvCacheTracker
+from kvtide.deployments.engine.kv_cache_tracker import KvCacheTracker
 from kvtide.deployments.routing.block_hash import block_hashes
 from kvtide.deployments.routing.digest_journal import DigestJournal
 from kvtide.deployments.routing.fleet import rekey

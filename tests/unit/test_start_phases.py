@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtide.deployments.start_phases import PHASES, describe, start_phases
+from kvtide.deployments.engine.start_phases import PHASES, describe, start_phases
 
 
 def test_phases_are_the_gaps_between_stamps():

@@ -6,7 +6,7 @@ import pytest
 
 from fakes import FakeTokenizer
 
-from kvtide.deployments.token_encoder import TokenEncoder
+from kvtide.deployments.frontend.token_encoder import TokenEncoder
 
 TEXTS = ["", "hello world", "  two  spaces\n\n", "naïve café 東京 🙂", "<s>[INST] hi [/INST]</s>",
          "alpha beta " * 300, "x" * 5000]
@@ -17,7 +17,7 @@ def demo_tokenizer(tmp_path_factory):
     """The demo model's own (byte-level BPE) fast tokenizer, from a tiny build of the demo checkpoint."""
     from transformers import AutoTokenizer
 
-    from kvtide.deployments.demo_model import DemoModelSpec, build_demo_model
+    from kvtide.deployments.engine.demo_model import DemoModelSpec, build_demo_model
 
     tiny = DemoModelSpec(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)

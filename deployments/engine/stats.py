@@ -51,7 +51,7 @@ def check_stat_fields() -> None:
     if missing:
         raise RuntimeError(
             f"this vLLM's stats lack {', '.join(missing)}: kvtide's router load and autoscaler input read them; "
-            "update kvtide.deployments.engine_stats for this vLLM release")
+            "update kvtide.deployments.engine.stats for this vLLM release")
 
 
 class _LoadLogger(StatLoggerBase):

@@ -1,7 +1,7 @@
 """The ray_prefix baseline: Ray Serve LLM's PrefixCacheAffinityRouter, whole on pick-only calls.
 
 Its own module because importing Ray Serve LLM takes ~2 s, which only a process routing with
-it should pay; why the wrapper exists is in `deployments.baseline_routers`.
+it should pay; why the wrapper exists is in `deployments.routing.ray_baselines`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from kvtide.deployments.baseline_routers import PickOnlyShortestQueue
+from kvtide.deployments.routing.ray_baselines import PickOnlyShortestQueue
 
 
 class RayPrefixRouter(PickOnlyShortestQueue, PrefixCacheAffinityRouter):

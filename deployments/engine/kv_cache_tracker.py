@@ -18,7 +18,7 @@ blocks can hold one hash) is also written to a `DigestJournal`, which builds the
 digests: this period's delta plus the last few, and the full set now and then
 (`deployments.routing.snapshot` has the protocol).
 
-Pure (no ZMQ, no Ray): `deployments.kv_events` feeds it decoded events.
+Pure (no ZMQ, no Ray): `deployments.engine.kv_events` feeds it decoded events.
 """
 
 from __future__ import annotations

@@ -22,17 +22,17 @@ from ray.util import metrics
 
 from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig, parse_config
-from kvtide.deployments.core_pinning import EngineCorePin
-from kvtide.deployments.demo_model import resolve_model
-from kvtide.deployments.placement import bound_cores, cpu_threads_bind, engine_kwargs
+from kvtide.deployments.engine.core_pinning import EngineCorePin
+from kvtide.deployments.engine.demo_model import resolve_model
+from kvtide.deployments.engine.placement import bound_cores, cpu_threads_bind, engine_kwargs
 from kvtide.autoscaling.replica_stats import replica_autoscaling_stats
 from kvtide.autoscaling.warm_start import fleet_view, plan_warmup
-from kvtide.deployments.kv_cache_tracker import KvCacheTracker
-from kvtide.deployments.kv_events import KvEventListener, new_ipc_endpoint
+from kvtide.deployments.engine.kv_cache_tracker import KvCacheTracker
+from kvtide.deployments.engine.kv_events import KvEventListener, new_ipc_endpoint
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest
 from kvtide.deployments.names import INGRESS_DEPLOYMENT
-from kvtide.deployments.pending_prefill import PendingPrefill
-from kvtide.deployments.start_phases import describe, start_phases
+from kvtide.deployments.engine.pending_prefill import PendingPrefill
+from kvtide.deployments.engine.start_phases import describe, start_phases
 
 logger = replica_logger("engine")
 
@@ -82,7 +82,7 @@ class EngineReplica:
         constructor_s = time.time()
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
-        from kvtide.deployments.engine_stats import EngineLoad, kept_ray_stat_logger, load_logger_factory
+        from kvtide.deployments.engine.stats import EngineLoad, kept_ray_stat_logger, load_logger_factory
 
         imported_s = time.time()
         self.config: KvtideConfig = parse_config(config_dict)
@@ -151,7 +151,7 @@ class EngineReplica:
             self._start_gauge.set(seconds, {"model": self.config.model_name, "phase": phase})
 
     async def _refresh_gauges(self) -> None:
-        from kvtide.deployments.engine_stats import refresh_gauges
+        from kvtide.deployments.engine.stats import refresh_gauges
 
         while True:
             try:

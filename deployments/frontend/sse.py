@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from kvtide.deployments.messages import GenerateDelta
-from kvtide.deployments.protocol import Usage, chat_chunk, completion_chunk, error_body, usage_chunk
+from kvtide.deployments.frontend.protocol import Usage, chat_chunk, completion_chunk, error_body, usage_chunk
 
 DONE = b"data: [DONE]\n\n"
 

@@ -20,7 +20,7 @@ below do, and only on pick-only calls (a call through Ray's normal path is uncha
 among the first rank's replicas the shortest queue wins (ties at random, as Ray's probe of
 equal queues would), the queue being the engine's last report plus the picks since
 (`routing.pick_load`); then the prefix router books the pick as `on_request_routed` would.
-`RayPrefixRouter` lives in `deployments.ray_prefix_router`: importing Ray Serve LLM takes ~2 s,
+`RayPrefixRouter` lives in `deployments.routing.ray_prefix_baseline`: importing Ray Serve LLM takes ~2 s,
 which only a ray_prefix process should pay.
 """
 
@@ -32,7 +32,7 @@ from typing import Any, List, Optional
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from kvtide.deployments.router import is_pick_only
+from kvtide.deployments.routing.ray_router import is_pick_only
 from kvtide.deployments.routing.pick_load import PickOnlyLoad
 
 

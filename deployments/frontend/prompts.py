@@ -35,9 +35,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvtide.config import KvtideConfig
-from kvtide.deployments.admission import max_prompt_chars
-from kvtide.deployments.protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_error_to_api
-from kvtide.deployments.token_encoder import TokenEncoder
+from kvtide.deployments.frontend.admission import max_prompt_chars
+from kvtide.deployments.frontend.protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_error_to_api
+from kvtide.deployments.frontend.token_encoder import TokenEncoder
 
 # Completions default to 16 output tokens, as OpenAI's legacy endpoint does.
 DEFAULT_COMPLETION_MAX_TOKENS = 16

@@ -38,12 +38,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig
-from kvtide.deployments.admission import AdmissionGate, Deadline, admission_limits
-from kvtide.deployments.engine_client import EngineClient, EngineStream, timeout_error
-from kvtide.deployments.hot_prefixes import HotPrefixTracker
-from kvtide.deployments.ingress_metrics import IngressMetrics
+from kvtide.deployments.frontend.admission import AdmissionGate, Deadline, admission_limits
+from kvtide.deployments.frontend.engine_client import EngineClient, EngineStream, timeout_error
+from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
+from kvtide.deployments.frontend.metrics import IngressMetrics
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec
-from kvtide.deployments.prompts import (
+from kvtide.deployments.frontend.prompts import (
     ROUTED_TOKENS_HEADER,
     Prompt,
     PromptBuilder,
@@ -52,7 +52,7 @@ from kvtide.deployments.prompts import (
     parse_json_body,
     session_key,
 )
-from kvtide.deployments.protocol import ApiError, Usage, chat_response, completion_response, now_s
+from kvtide.deployments.frontend.protocol import ApiError, Usage, chat_response, completion_response, now_s
 from kvtide.deployments.routing.block_hash import block_hashes, salt_root
 from kvtide.deployments.routing.trust import (
     PREDICTED_CACHED_TOKENS_HEADER,
@@ -61,7 +61,7 @@ from kvtide.deployments.routing.trust import (
     decode_prediction_header,
     read_prediction,
 )
-from kvtide.deployments.sse import DONE, ChunkRenderer, error_event
+from kvtide.deployments.frontend.sse import DONE, ChunkRenderer, error_event
 
 logger = replica_logger("frontend")
 

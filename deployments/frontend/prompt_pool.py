@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 from kvtide.config import KvtideConfig
-from kvtide.deployments.prompts import PromptBuilder
+from kvtide.deployments.frontend.prompts import PromptBuilder
 
 T = TypeVar("T")
 

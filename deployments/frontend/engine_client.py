@@ -21,9 +21,9 @@ import time
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from kvtide.deployments.logs import replica_logger
-from kvtide.deployments.admission import AdmissionLimits, Deadline
+from kvtide.deployments.frontend.admission import AdmissionLimits, Deadline
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest
-from kvtide.deployments.protocol import ApiError
+from kvtide.deployments.frontend.protocol import ApiError
 
 logger = replica_logger("engine_client")
 

@@ -33,14 +33,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig
-from kvtide.deployments.admission import AdmissionLimits, admission_limits
-from kvtide.deployments.auth import ApiKeys, authorize, load_api_keys
-from kvtide.deployments.engine_client import EngineClient
-from kvtide.deployments.frontend import OpenAIFrontend, error_response
-from kvtide.deployments.hot_prefixes import HotPrefixTracker
-from kvtide.deployments.ingress_metrics import IngressMetrics
-from kvtide.deployments.prompts import PromptBuilder, load_tokenizer
-from kvtide.deployments.protocol import ApiError, error_body, validation_error_to_api
+from kvtide.deployments.frontend.admission import AdmissionLimits, admission_limits
+from kvtide.deployments.frontend.auth import ApiKeys, authorize, load_api_keys
+from kvtide.deployments.frontend.engine_client import EngineClient
+from kvtide.deployments.frontend.pipeline import OpenAIFrontend, error_response
+from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
+from kvtide.deployments.frontend.metrics import IngressMetrics
+from kvtide.deployments.frontend.prompts import PromptBuilder, load_tokenizer
+from kvtide.deployments.frontend.protocol import ApiError, error_body, validation_error_to_api
 
 logger = replica_logger("openai_app")
 

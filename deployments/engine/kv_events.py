@@ -18,7 +18,7 @@ import threading
 import uuid
 
 from kvtide.deployments.logs import replica_logger
-from kvtide.deployments.kv_cache_tracker import KvCacheTracker
+from kvtide.deployments.engine.kv_cache_tracker import KvCacheTracker
 from kvtide.deployments.routing.snapshot import CacheDigest
 
 logger = replica_logger("kv_events")
