@@ -76,7 +76,7 @@ def ingress_deployment_options(config: KvtideConfig) -> dict[str, Any]:
     """Replica count and Serve's per-replica cap of the ingress deployment (above the admission gate)."""
     return {
         "name": INGRESS_DEPLOYMENT,
-        "num_replicas": config.ingress.num_replicas,
+        "num_replicas": config.frontend.num_replicas,
         "ray_actor_options": {"num_cpus": 1},
         "max_ongoing_requests": admission_limits(config).ingress_max_ongoing_requests,
     }

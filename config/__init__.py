@@ -18,7 +18,7 @@ from kvtide.config.model import (
     ConfigError,
     EngineConfig,
     HttpConfig,
-    IngressConfig,
+    FrontendConfig,
     KvtideConfig,
     MetricsConfig,
     ReplicasConfig,
@@ -32,7 +32,7 @@ from kvtide.config.routing import RoutingConfig
 
 __all__ = [
     "DEMO_MODEL", "AdmissionConfig", "AuthConfig", "AutoscalingSettings", "ConfigError", "EngineConfig",
-    "HttpConfig", "IngressConfig", "KvtideConfig", "MetricsConfig", "ReplicasConfig", "ResourcesConfig",
+    "HttpConfig", "FrontendConfig", "KvtideConfig", "MetricsConfig", "ReplicasConfig", "ResourcesConfig",
     "RoutingConfig", "Strict", "WarmStartSettings", "apply_overrides", "config_to_dict", "load_config",
     "parse_config",
 ]

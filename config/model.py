@@ -14,7 +14,7 @@ overrides are dotted paths (`engine.max_model_len=2048`).
     ├── autoscaling AutoscalingSettings  KV-utilization law (config/autoscaling.py), used with min/max
     ├── resources  ResourcesConfig  device kind and CPUs per tensor-parallel worker
     ├── routing    RoutingConfig    request-router policy and its tunables (config/routing.py)
-    ├── ingress    IngressConfig    OpenAI ingress replicas and request limits
+    ├── frontend   FrontendConfig   the OpenAI frontend: request limits (and Ingress replicas in ingress mode)
     │   ├── admission AdmissionConfig  concurrency/queue bounds (429), request deadline (504)
     │   └── auth      AuthConfig       where API keys come from (env var, file)
     ├── http       HttpConfig       host/port of the Serve HTTP proxy
@@ -27,6 +27,7 @@ fix, one line per problem.
 from __future__ import annotations
 
 import difflib
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -170,12 +171,12 @@ class AuthConfig(Strict):
         "KVTIDE_API_KEYS", min_length=1, description="Env var holding comma-separated API keys; unset or empty: none "
                                                      "from it. The chart sets it from apiKeys.existingSecret.")
     api_keys_file: str | None = Field(
-        None, min_length=1, description="File with one API key per line (# comments); read at ingress start.")
+        None, min_length=1, description="File with one API key per line (# comments); read when a frontend starts.")
     require_keys: bool = Field(
         False, description="Refuse to start when no key was found, so a missing Secret cannot open the API.")
 
 
-class IngressConfig(Strict):
+class FrontendConfig(Strict):
     """The OpenAI frontend: request limits, admission and API keys (wherever it runs, see http.mode)."""
 
     num_replicas: int = Field(1, ge=1, description="Ingress replicas (each tokenizes and routes); http.mode ingress only.")
@@ -195,7 +196,7 @@ class HttpConfig(Strict):
         "direct", description="direct: every engine replica serves the OpenAI API itself behind Ray Serve's "
                               "HAProxy, which asks kvtide's routing peer which replica takes each POST (no Ray hop "
                               "on the token path). ingress: Serve's proxy -> Ingress replicas (tokenize, route) "
-                              "-> engine replicas over Ray handles (no HAProxy; ingress.num_replicas applies).")
+                              "-> engine replicas over Ray handles (no HAProxy; frontend.num_replicas applies).")
     host: str = Field("127.0.0.1", description="Address the OpenAI API binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI API.")
     throughput_optimized: bool = Field(
@@ -228,7 +229,7 @@ class MetricsConfig(Strict):
 
 
 class KvtideConfig(Strict):
-    """A whole kvtide cluster: one model served by engine replicas behind one ingress."""
+    """A whole kvtide cluster: one model served by engine replicas behind one OpenAI frontend."""
 
     model: str = Field(DEMO_MODEL, min_length=1, description="'demo', a local HF-format directory or a hub id.")
     served_model_name: str | None = Field(None, description="Name clients send as `model`; default: the model's.")
@@ -237,7 +238,7 @@ class KvtideConfig(Strict):
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
-    ingress: IngressConfig = Field(default_factory=IngressConfig)
+    frontend: FrontendConfig = Field(default_factory=FrontendConfig)
     http: HttpConfig = Field(default_factory=HttpConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
@@ -292,7 +293,7 @@ class KvtideConfig(Strict):
                 # draining) is retried on another. HAProxy balances by least connections, so a
                 # dead replica (no connections) is picked again until its third refused
                 # connection marks it down (error-limit 3): 3 retries on top of max_retries.
-                "RAY_SERVE_HAPROXY_RETRIES": str(self.ingress.admission.max_retries + HAPROXY_MARK_DOWN_ERRORS),
+                "RAY_SERVE_HAPROXY_RETRIES": str(self.frontend.admission.max_retries + HAPROXY_MARK_DOWN_ERRORS),
                 # Retry also a request whose connection closed with no response: a replica that
                 # died after accepting it (in the second before Serve notices, it is still picked),
                 # or a kept-alive connection the replica closed as HAProxy reused it. Ray retries
@@ -348,10 +349,35 @@ def _describe(err: dict) -> str:
     return f"{path}: got {err.get('input')!r}: {msg}"
 
 
+# Sections renamed since a user may have written a config: old name -> new name. An old
+# section is read as the new one with a one-line warning, never silently ignored.
+RENAMED_SECTIONS = {"ingress": "frontend"}
+
+_log = logging.getLogger("kvtide.config")
+
+
+def migrate_renamed_sections(data: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `data` with each renamed section under its new name (warned once per parse).
+
+    Both names at once is an error: which one was meant cannot be known.
+    """
+    migrated = dict(data)
+    for old, new in RENAMED_SECTIONS.items():
+        if old not in migrated:
+            continue
+        if new in migrated:
+            raise ConfigError(f"invalid kvtide config:\n  both '{old}' and '{new}' are set; '{old}' is the old name "
+                              f"of '{new}': move its keys under '{new}'")
+        _log.warning("kvtide config: section '%s' is now called '%s'; read as '%s' (rename it in your config)",
+                     old, new, new)
+        migrated[new] = migrated.pop(old)
+    return migrated
+
+
 def parse_config(data: dict[str, Any] | None) -> KvtideConfig:
     """Validate a plain dict (YAML, serveConfigV2 args) into a KvtideConfig."""
     try:
-        return KvtideConfig.model_validate(data or {})
+        return KvtideConfig.model_validate(migrate_renamed_sections(data or {}))
     except ValidationError as exc:
         lines = [_describe(e) for e in exc.errors()]
         raise ConfigError("invalid kvtide config:\n  " + "\n  ".join(lines)) from None
@@ -385,7 +411,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file such as cluster/configs/cpu.yaml")
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file such as config/presets/cpu.yaml")
         loaded = yaml.safe_load(path.read_text())
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level, got {type(loaded).__name__}")

@@ -49,7 +49,7 @@ class Kind(str, enum.Enum):
 class Source(str, enum.Enum):
     """Who exports the series; the docs group by it."""
 
-    INGRESS = "ingress"  # deployments/frontend/metrics.py
+    FRONTEND = "frontend"  # deployments/frontend/metrics.py
     ROUTER = "router"  # deployments/routing/ray_router.py
     AUTOSCALER = "autoscaler"  # autoscaling/metrics.py
     ENGINE = "engine"  # the engine replica: vLLM through vllm.v1.metrics.ray_wrappers, and kvtide's own
@@ -83,7 +83,7 @@ class Metric:
         return (self.name,)
 
 
-_I, _R, _A, _E, _S = Source.INGRESS, Source.ROUTER, Source.AUTOSCALER, Source.ENGINE, Source.SERVE
+_I, _R, _A, _E, _S = Source.FRONTEND, Source.ROUTER, Source.AUTOSCALER, Source.ENGINE, Source.SERVE
 _C, _G, _H = Kind.COUNTER, Kind.GAUGE, Kind.HISTOGRAM
 _ING = ("model", "endpoint")
 _AUTO = ("deployment", "application")

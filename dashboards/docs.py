@@ -12,7 +12,7 @@ from kvtide.dashboards.catalog import CATALOG, RAY_LABELS, REPO_ROOT, Source
 METRICS_MD = REPO_ROOT / "docs" / "metrics.md"
 
 _SOURCES = {
-    Source.INGRESS: "Ingress (`deployments/frontend/metrics.py`)",
+    Source.FRONTEND: "Ingress (`deployments/frontend/metrics.py`)",
     Source.ROUTER: "Router (`deployments/routing`)",
     Source.AUTOSCALER: "KV autoscaler (`autoscaling/metrics.py`)",
     Source.ENGINE: "Engine replica (vLLM through `RayPrometheusStatLogger`, and kvtide's own)",

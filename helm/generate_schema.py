@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtide.config import KvtideConfig
+from kvtide.config.model import RENAMED_SECTIONS
 
 SCHEMA_PATH = Path(__file__).resolve().parent / "kvtide" / "values.schema.json"
 REGENERATE_HINT = "python helm/generate_schema.py"
@@ -64,6 +65,10 @@ def kvtide_schema() -> Schema:
     """The KvtideConfig model's JSON schema, self-contained."""
     raw = KvtideConfig.model_json_schema()
     schema = _inline_refs(raw, raw.get("$defs", {}))
+    # A renamed section is still accepted (the app reads it as its new name, with a warning).
+    for old, new in RENAMED_SECTIONS.items():
+        schema["properties"][old] = {**schema["properties"][new],
+                                     "description": f"Deprecated: the old name of `{new}`, read as `{new}`."}
     schema["description"] = (
         "The kvtide cluster config (config/ KvtideConfig); rendered verbatim as the "
         "serveConfigV2 application args. " + schema.get("description", "")
@@ -225,7 +230,7 @@ def chart_properties() -> dict[str, Schema]:
                 "existingSecret": _str("Secret holding the API keys (comma-separated); empty = no keys from a Secret."),
                 "secretKey": _str("Key inside that Secret."),
             },
-            "API keys for the OpenAI endpoint (Authorization: Bearer), from a Secret into env kvtide.ingress.auth.api_keys_env.",
+            "API keys for the OpenAI endpoint (Authorization: Bearer), from a Secret into env kvtide.frontend.auth.api_keys_env.",
         ),
         "env": _k8s("Extra env vars for every Ray container.", "array"),
         "envFrom": _k8s("Extra envFrom sources for every Ray container.", "array"),

@@ -100,7 +100,7 @@ def logical_cpus_needed(config: KvtideConfig, num_engine_replicas: int) -> float
     """Logical Ray CPUs a local cluster must offer for the engines plus the ingress."""
     per_replica = sum(b["CPU"] for b in placement_bundles(config))
     # Direct mode has no ingress replicas (its routing peer reserves no CPU).
-    num_ingress = config.ingress.num_replicas if config.http.mode == "ingress" else 0
+    num_ingress = config.frontend.num_replicas if config.http.mode == "ingress" else 0
     return per_replica * num_engine_replicas + num_ingress
 
 

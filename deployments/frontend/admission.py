@@ -73,8 +73,8 @@ def engine_replicas_for_capacity(config: KvtideConfig) -> int:
 
 def admission_limits(config: KvtideConfig) -> AdmissionLimits:
     """Explicit limits win; null ones follow the engine fleet's batch capacity."""
-    admission = config.ingress.admission
-    num_ingress = config.ingress.num_replicas
+    admission = config.frontend.admission
+    num_ingress = config.frontend.num_replicas
     batch_slots = engine_replicas_for_capacity(config) * config.engine.max_num_seqs
     queued = batch_slots if admission.max_queued_requests is None else admission.max_queued_requests
     ongoing = admission.max_ongoing_requests
@@ -100,7 +100,7 @@ def max_prompt_chars(config: KvtideConfig) -> int:
     every request of that replica. No tokenizer packs 16 characters into every token of a
     real prompt, so 16 × max_model_len only refuses prompts that could never fit anyway.
     """
-    explicit = config.ingress.max_prompt_chars
+    explicit = config.frontend.max_prompt_chars
     return explicit if explicit is not None else 16 * config.engine.max_model_len
 
 

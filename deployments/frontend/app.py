@@ -38,7 +38,7 @@ from kvtide.deployments.frontend.auth import ApiKeys, authorize, load_api_keys
 from kvtide.deployments.frontend.engine_client import EngineClient
 from kvtide.deployments.frontend.pipeline import OpenAIFrontend, error_response
 from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
-from kvtide.deployments.frontend.metrics import IngressMetrics
+from kvtide.deployments.frontend.metrics import FrontendMetrics
 from kvtide.deployments.frontend.prompts import PromptBuilder, load_tokenizer
 from kvtide.deployments.frontend.protocol import ApiError, error_body, validation_error_to_api
 
@@ -50,8 +50,8 @@ def build_frontend(config: KvtideConfig, engine_client: Callable[[AdmissionLimit
     """The frontend and API keys of one replica (`role` names it in the log: ingress, engine server)."""
     limits = admission_limits(config)
     frontend = OpenAIFrontend(config, PromptBuilder(config, load_tokenizer(config)), engine_client(limits),
-                              IngressMetrics(), hot_prefixes)
-    auth = config.ingress.auth
+                              FrontendMetrics(), hot_prefixes)
+    auth = config.frontend.auth
     api_keys = load_api_keys(auth.api_keys_env, auth.api_keys_file, auth.require_keys, os.environ)
     logger.info("%s: admits %d requests at once, deadline %s s, %s", role, limits.max_ongoing_requests,
                 limits.request_timeout_s, f"API keys on ({len(api_keys)})" if api_keys.enabled else "API keys off")

@@ -1,6 +1,6 @@
 """Optional API keys: `Authorization: Bearer <key>`, checked in constant time.
 
-Where keys come from (ingress.auth in the config; the keys themselves never are in it,
+Where keys come from (frontend.auth in the config; the keys themselves never are in it,
 because the config is logged and stored in the RayService's serveConfigV2):
 
     env var  (api_keys_env, default KVTIDE_API_KEYS)  comma-separated; the Helm chart
@@ -108,11 +108,11 @@ def load_api_keys(api_keys_env: str | None, api_keys_file: str | None, require_k
         try:
             keys += keys_from_text(path.read_text())
         except OSError as exc:
-            raise AuthConfigError(f"ingress.auth.api_keys_file={api_keys_file!r} cannot be read "
+            raise AuthConfigError(f"frontend.auth.api_keys_file={api_keys_file!r} cannot be read "
                                   f"({type(exc).__name__}); mount the file or set api_keys_file: null") from None
     api_keys = ApiKeys(keys)
     if require_keys and not api_keys.enabled:
         raise AuthConfigError(
-            f"ingress.auth.require_keys=true but no API key was found (env {api_keys_env!r}, "
+            f"frontend.auth.require_keys=true but no API key was found (env {api_keys_env!r}, "
             f"file {api_keys_file!r}); provide keys (Helm: apiKeys.existingSecret) or set require_keys: false")
     return api_keys

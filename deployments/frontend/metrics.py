@@ -28,7 +28,7 @@ ITL_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 PREDICTION_ERROR_BUCKETS_TOKENS = [1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 
-class IngressMetrics:
+class FrontendMetrics:
     """The ingress's own series; one instance per ingress replica."""
 
     def __init__(self) -> None:

@@ -41,7 +41,7 @@ from kvtide.config import KvtideConfig
 from kvtide.deployments.frontend.admission import AdmissionGate, Deadline, admission_limits
 from kvtide.deployments.frontend.engine_client import EngineClient, EngineStream, timeout_error
 from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
-from kvtide.deployments.frontend.metrics import IngressMetrics
+from kvtide.deployments.frontend.metrics import FrontendMetrics
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec
 from kvtide.deployments.frontend.prompts import (
     ROUTED_TOKENS_HEADER,
@@ -97,7 +97,7 @@ class OpenAIFrontend:
     """Admission, prompts, the engine call and the response of one replica's OpenAI endpoints."""
 
     def __init__(self, config: KvtideConfig, prompts: PromptBuilder, engine: EngineClient,
-                 metrics: IngressMetrics, hot_prefixes: HotPrefixTracker | None):
+                 metrics: FrontendMetrics, hot_prefixes: HotPrefixTracker | None):
         self.config = config
         self.prompts = prompts
         self.engine = engine

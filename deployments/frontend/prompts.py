@@ -126,13 +126,13 @@ class PromptBuilder:
         self.encode = TokenEncoder(tokenizer)
         self.model_name = config.model_name
         self.max_model_len = config.engine.max_model_len
-        self.max_body_bytes = config.ingress.max_body_bytes
-        self.max_messages = config.ingress.max_messages
+        self.max_body_bytes = config.frontend.max_body_bytes
+        self.max_messages = config.frontend.max_messages
         self.max_prompt_chars = max_prompt_chars(config)
         self.vocab_size = len(tokenizer)
 
     async def read_body(self, request: Any) -> bytes:
-        """The raw body of a Starlette request, refused (413) past ingress.max_body_bytes."""
+        """The raw body of a Starlette request, refused (413) past frontend.max_body_bytes."""
         declared = request.headers.get("content-length")
         limit = self.max_body_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -215,7 +215,7 @@ class PromptBuilder:
         # Tokenizing runs on the event loop: a huge prompt is refused before it can stall it.
         if num_chars > self.max_prompt_chars:
             raise ApiError(400, f"the prompt has {num_chars} characters; the limit is {self.max_prompt_chars} "
-                                "(ingress.max_prompt_chars)", param=param, code="prompt_too_long")
+                                "(frontend.max_prompt_chars)", param=param, code="prompt_too_long")
 
     def _check_vocabulary(self, token_ids: list[int], param: str) -> None:
         if token_ids and max(token_ids) >= self.vocab_size:
@@ -235,7 +235,7 @@ class PromptBuilder:
     def chat_tokens(self, req: ChatCompletionRequest, routed_tokens: list[int] | None = None) -> list[int]:
         if len(req.messages) > self.max_messages:
             raise ApiError(400, f"the request has {len(req.messages)} messages; the limit is {self.max_messages} "
-                                "(ingress.max_messages)", param="messages", code="too_many_messages")
+                                "(frontend.max_messages)", param="messages", code="too_many_messages")
         conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
         self._check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
         if routed_tokens is not None:

@@ -26,9 +26,9 @@ def auth_app(cluster, cluster_config, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "api-keys"
     key_file.write_text(f"# test key\n{key}\n")
     config = load_config(REPO / "cluster/configs/cpu.yaml", [
-        "replicas.num_replicas=1", "ingress.num_replicas=1", f"served_model_name={AUTH_APP}",
+        "replicas.num_replicas=1", "frontend.num_replicas=1", f"served_model_name={AUTH_APP}",
         f"http.port={cluster_config.http.port}", f"metrics.port={cluster_config.metrics.port}",
-        f"ingress.auth.api_keys_file={key_file}", "ingress.auth.require_keys=true"])
+        f"frontend.auth.api_keys_file={key_file}", "frontend.auth.require_keys=true"])
     serve.run(build_from_config(config), name=AUTH_APP, route_prefix=f"/{AUTH_APP}", blocking=False)
     try:
         yield cluster.base_url + f"/{AUTH_APP}", key

@@ -90,8 +90,8 @@ def test_out_of_vocabulary_token_id_is_400(http, cluster):
 
 
 def test_body_over_limit_is_413(http, cluster, cluster_config):
-    """A body larger than ingress.max_body_bytes is a 413 before parsing."""
-    big = "x" * (cluster_config.ingress.max_body_bytes + 10)
+    """A body larger than frontend.max_body_bytes is a 413 before parsing."""
+    big = "x" * (cluster_config.frontend.max_body_bytes + 10)
     err = _error(http.post("/v1/completions", json={"model": cluster.model_name, "prompt": big}), 413)
     assert err["code"] == "body_too_large"
 

@@ -129,11 +129,11 @@ def prometheus(cluster, tmp_path_factory) -> Prom:
 def pressure_app(cluster, cluster_config):
     deploy_app(cluster_config, PRESSURE_APP, [
         "replicas.num_replicas=null", "replicas.min_replicas=1", "replicas.max_replicas=1",
-        "autoscaling.metrics_push_interval_s=1", "autoscaling.look_back_s=2", "ingress.num_replicas=1",
+        "autoscaling.metrics_push_interval_s=1", "autoscaling.look_back_s=2", "frontend.num_replicas=1",
         "engine.max_model_len=512",
         # 2 MiB of KV: 6 layers x 2 (K, V) x 2 heads x 64 dims x 2 bytes = 3 KiB per token, ~680 tokens.
         "engine.kv_cache_memory_bytes=2097152",
-        f"ingress.admission.max_ongoing_requests={PRESSURE_GATE}"])
+        f"frontend.admission.max_ongoing_requests={PRESSURE_GATE}"])
     try:
         yield cluster.base_url + f"/{PRESSURE_APP}"
     finally:

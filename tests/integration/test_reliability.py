@@ -446,7 +446,7 @@ def test_soak_2000_mixed_requests_no_errors_kv_drains_and_rss_is_flat(cluster, c
 
 @pytest.fixture
 def kill_app(cluster, cluster_config):
-    deploy_app(cluster_config, KILL_APP, ["replicas.num_replicas=2", "ingress.num_replicas=1"])
+    deploy_app(cluster_config, KILL_APP, ["replicas.num_replicas=2", "frontend.num_replicas=1"])
     try:
         yield cluster.base_url + f"/{KILL_APP}"
     finally:
@@ -530,9 +530,9 @@ def test_killed_engine_replica_ends_streams_cleanly_and_the_fleet_recovers(kill_
 def overload_app(cluster, cluster_config):
     # One engine of 4 sequences, a fleet queue of 4: the ingress admits 8 at once. A 10 s deadline.
     deploy_app(cluster_config, OVERLOAD_APP, [
-        "replicas.num_replicas=1", "ingress.num_replicas=1", "engine.max_num_seqs=4",
-        "ingress.admission.max_queued_requests=4", f"ingress.admission.request_timeout_s={DEADLINE_S}",
-        "ingress.admission.retry_after_s=2"])
+        "replicas.num_replicas=1", "frontend.num_replicas=1", "engine.max_num_seqs=4",
+        "frontend.admission.max_queued_requests=4", f"frontend.admission.request_timeout_s={DEADLINE_S}",
+        "frontend.admission.retry_after_s=2"])
     try:
         yield cluster.base_url + f"/{OVERLOAD_APP}"
     finally:

@@ -22,15 +22,15 @@ def _config(**sections):
     # 2 engines x 32 seqs = 64 slots, + 64 queued (default: one batch per engine), over 1 ingress
     ({"engine": {"max_num_seqs": 32}, "replicas": {"num_replicas": 2}}, 128, 64),
     # the same fleet split over 2 ingress replicas
-    ({"engine": {"max_num_seqs": 32}, "replicas": {"num_replicas": 2}, "ingress": {"num_replicas": 2}}, 64, 32),
+    ({"engine": {"max_num_seqs": 32}, "replicas": {"num_replicas": 2}, "frontend": {"num_replicas": 2}}, 64, 32),
     # an explicit fleet queue; odd totals round up so the fleet is never under-admitted
     ({"engine": {"max_num_seqs": 4}, "replicas": {"num_replicas": 1},
-      "ingress": {"num_replicas": 3, "admission": {"max_queued_requests": 3}}}, 3, 1),
+      "frontend": {"num_replicas": 3, "admission": {"max_queued_requests": 3}}}, 3, 1),
     # autoscaling sizes for the ceiling: the gate must not starve a scaled-up fleet
     ({"engine": {"max_num_seqs": 8}, "replicas": {"min_replicas": 1, "max_replicas": 4}}, 64, 32),
     # a queue of 0: only batch slots are admitted; the handle queue keeps a floor of 1
     ({"engine": {"max_num_seqs": 8}, "replicas": {"num_replicas": 1},
-      "ingress": {"admission": {"max_queued_requests": 0}}}, 8, 1),
+      "frontend": {"admission": {"max_queued_requests": 0}}}, 8, 1),
 ])
 def test_ingress_mode_limits_follow_the_engine_fleet(sections, ongoing, per_handle):
     """Ingress mode: null limits are (engine replicas x max_num_seqs + queue) / ingress replicas, rounded up."""
@@ -43,10 +43,10 @@ def test_ingress_mode_limits_follow_the_engine_fleet(sections, ongoing, per_hand
     # each of 2 engines admits its batch of 32 plus its half of the 64-request fleet queue
     ({"engine": {"max_num_seqs": 32}, "replicas": {"num_replicas": 2}}, 64),
     # ingress replicas do not exist in direct mode: the count is ignored
-    ({"engine": {"max_num_seqs": 32}, "replicas": {"num_replicas": 2}, "ingress": {"num_replicas": 4}}, 64),
+    ({"engine": {"max_num_seqs": 32}, "replicas": {"num_replicas": 2}, "frontend": {"num_replicas": 4}}, 64),
     # an explicit queue of 3 over 2 engines rounds up to 2 each
     ({"engine": {"max_num_seqs": 4}, "replicas": {"num_replicas": 2},
-      "ingress": {"admission": {"max_queued_requests": 3}}}, 6),
+      "frontend": {"admission": {"max_queued_requests": 3}}}, 6),
 ])
 def test_direct_mode_gate_is_per_engine_replica(sections, ongoing):
     """Direct mode: every engine replica gates its own HTTP traffic at max_num_seqs + its share of the queue."""
@@ -67,7 +67,7 @@ def test_engine_replicas_for_capacity_uses_the_fixed_count_or_the_ceiling():
 
 
 def test_timeout_retry_after_and_retries_pass_through():
-    """The deadline, Retry-After and retry count come from ingress.admission."""
+    """The deadline, Retry-After and retry count come from frontend.admission."""
     limits = admission_limits(_config(ingress={"admission": {
         "request_timeout_s": 30, "retry_after_s": 5, "max_retries": 0}}))
     assert (limits.request_timeout_s, limits.retry_after_s, limits.max_retries) == (30, 5, 0)
@@ -75,10 +75,10 @@ def test_timeout_retry_after_and_retries_pass_through():
 
 
 @pytest.mark.parametrize(("sections", "fragment"), [
-    ({"ingress": {"admission": {"max_ongoing_requests": 0}}}, "ingress.admission.max_ongoing_requests: got 0"),
-    ({"ingress": {"admission": {"request_timeout_s": -1}}}, "ingress.admission.request_timeout_s: got -1"),
-    ({"ingress": {"admission": {"max_queue": 3}}}, "did you mean 'max_queued_requests'"),
-    ({"ingress": {"max_messages": 0}}, "ingress.max_messages: got 0"),
+    ({"frontend": {"admission": {"max_ongoing_requests": 0}}}, "frontend.admission.max_ongoing_requests: got 0"),
+    ({"frontend": {"admission": {"request_timeout_s": -1}}}, "frontend.admission.request_timeout_s: got -1"),
+    ({"frontend": {"admission": {"max_queue": 3}}}, "did you mean 'max_queued_requests'"),
+    ({"frontend": {"max_messages": 0}}, "frontend.max_messages: got 0"),
 ])
 def test_bad_admission_config_names_field_and_value(sections, fragment):
     """Invalid admission settings fail naming the field and the value."""

@@ -81,12 +81,12 @@ def test_required_keys_fail_closed_naming_the_fix():
 
 
 def test_unreadable_key_file_names_the_field(tmp_path):
-    """A key file that cannot be read fails naming ingress.auth.api_keys_file, not silently open."""
-    with pytest.raises(AuthConfigError, match="ingress.auth.api_keys_file"):
+    """A key file that cannot be read fails naming frontend.auth.api_keys_file, not silently open."""
+    with pytest.raises(AuthConfigError, match="frontend.auth.api_keys_file"):
         load_api_keys(None, str(tmp_path / "missing"), False, {})
 
 
 def test_auth_config_defaults_read_the_standard_env_var():
     """By default keys come from KVTIDE_API_KEYS, no file, and a missing key does not block start."""
-    auth = parse_config({}).ingress.auth
+    auth = parse_config({}).frontend.auth
     assert (auth.api_keys_env, auth.api_keys_file, auth.require_keys) == ("KVTIDE_API_KEYS", None, False)

@@ -1,4 +1,4 @@
-"""The chart puts API keys from a Secret into the env var the ingress reads, on every Ray pod."""
+"""The chart puts API keys from a Secret into the env var the frontend reads, on every Ray pod; old value names still apply."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ def test_existing_secret_becomes_the_api_keys_env_on_head_and_workers():
 
 
 def test_env_name_follows_the_kvtide_auth_setting():
-    """A renamed kvtide.ingress.auth.api_keys_env renames the env var the chart sets."""
+    """A renamed kvtide.frontend.auth.api_keys_env renames the env var the chart sets."""
     values = {"apiKeys": {"existingSecret": "s", "secretKey": "k"},
-              "kvtide": {"ingress": {"auth": {"api_keys_env": "MY_KEYS"}}}}
+              "kvtide": {"frontend": {"auth": {"api_keys_env": "MY_KEYS"}}}}
     for container in _containers(values):
         names = {e["name"] for e in container["env"]}
         assert "MY_KEYS" in names and "KVTIDE_API_KEYS" not in names
@@ -42,9 +42,23 @@ def test_no_secret_no_env_and_keys_never_in_the_serve_config():
 def test_secret_without_env_name_fails_naming_the_fix():
     """A Secret with api_keys_env null cannot reach the ingress: rendering fails and says so."""
     with pytest.raises(Exception, match="api_keys_env"):
-        rayservice({"apiKeys": {"existingSecret": "s"}, "kvtide": {"ingress": {"auth": {"api_keys_env": None}}}})
+        rayservice({"apiKeys": {"existingSecret": "s"}, "kvtide": {"frontend": {"auth": {"api_keys_env": None}}}})
 
 
 def test_chart_default_auth_matches_the_config_default():
     """The chart's documented default env name is the config model's default."""
-    assert parse_config({}).ingress.auth.api_keys_env == "KVTIDE_API_KEYS"
+    assert parse_config({}).frontend.auth.api_keys_env == "KVTIDE_API_KEYS"
+
+
+def test_old_ingress_values_still_configure_the_frontend():
+    """Chart values written as kvtide.ingress (the old name) reach the app as frontend and set HAProxy's retries."""
+    from test_helm_chart import rendered_serve_config
+
+    values = {"kvtide": {"ingress": {"max_messages": 5, "admission": {"max_retries": 0}}}}
+    (app,) = rendered_serve_config(values)["applications"]
+    assert "ingress" not in app["args"]
+    config = parse_config(app["args"])
+    assert config.frontend.max_messages == 5 and config.frontend.admission.max_retries == 0
+    for container in _containers(values):
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["RAY_SERVE_HAPROXY_RETRIES"] == "3"

@@ -98,3 +98,23 @@ def test_model_name_defaults():
     assert parse_config({}).model_name == "kvtide-demo"
     assert parse_config({"model": "meta-llama/Llama-3.1-8B"}).model_name == "Llama-3.1-8B"
     assert parse_config({"model": "x/y", "served_model_name": "prod"}).model_name == "prod"
+
+
+def test_old_ingress_section_is_read_as_frontend_with_one_warning(caplog):
+    """A config written with the old `ingress` section keeps its values (under frontend) and says so once."""
+    with caplog.at_level("WARNING", logger="kvtide.config"):
+        config = parse_config({"ingress": {"max_messages": 7, "auth": {"require_keys": True}}})
+    assert config.frontend.max_messages == 7 and config.frontend.auth.require_keys is True
+    assert [r.getMessage() for r in caplog.records if "'ingress'" in r.getMessage()] == [
+        "kvtide config: section 'ingress' is now called 'frontend'; read as 'frontend' (rename it in your config)"]
+
+
+def test_old_override_key_reaches_the_frontend():
+    """`--set ingress.max_messages=9` (the old key) sets frontend.max_messages."""
+    assert load_config(None, ["ingress.max_messages=9"]).frontend.max_messages == 9
+
+
+def test_old_and_new_section_together_is_an_error_naming_both():
+    """Both `ingress` and `frontend` set: refused, since which one was meant cannot be known."""
+    with pytest.raises(ConfigError, match="both 'ingress' and 'frontend'"):
+        parse_config({"ingress": {"max_messages": 7}, "frontend": {"max_messages": 8}})

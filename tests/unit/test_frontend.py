@@ -259,7 +259,7 @@ class FakeHandle:
 
 
 def _open(handle: FakeHandle, max_retries: int = 2):
-    config = parse_config({"ingress": {"admission": {"max_retries": max_retries}}})
+    config = parse_config({"frontend": {"admission": {"max_retries": max_retries}}})
     client = HandleEngineClient(handle, admission_limits(config))
     request = GenerateRequest("req", [1, 2], SamplingSpec(max_tokens=2))
     rejected: list[str] = []

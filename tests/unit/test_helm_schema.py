@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel
 
 from kvtide.config import KvtideConfig
+from kvtide.config.model import RENAMED_SECTIONS
 from helm.generate_schema import REGENERATE_HINT, SCHEMA_PATH, build_schema, render
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -49,10 +50,10 @@ def test_schema_accepts_the_chart_defaults() -> None:
 
 
 def test_schema_kvtide_subtree_follows_the_model() -> None:
-    """Every KvtideConfig section and enum appears in the schema, closed to unknown keys."""
+    """Every KvtideConfig section (plus the old names of renamed ones) and enum is in the schema, closed to unknown keys."""
     kvtide = json.loads(SCHEMA_PATH.read_text())["properties"]["kvtide"]
     assert kvtide["additionalProperties"] is False
-    assert set(kvtide["properties"]) == set(KvtideConfig.model_fields)
+    assert set(kvtide["properties"]) == set(KvtideConfig.model_fields) | set(RENAMED_SECTIONS)
     policy = kvtide["properties"]["routing"]["properties"]["policy"]
     # pydantic writes a one-value Literal as `const`, several as `enum`.
     assert policy.get("enum", [policy.get("const")]) == ["prefix_aware", "pow2", "round_robin", "ray_prefix"]

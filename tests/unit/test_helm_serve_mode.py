@@ -26,7 +26,7 @@ def _ray_env_per_container(values: dict, names: list[str]) -> list[dict[str, str
     {"autoscaling": {"metrics_push_interval_s": 0.5}},
     {"autoscaling": {"metrics_push_interval_s": 10}},
     {"http": {"mode": "ingress"}},
-    {"ingress": {"max_body_bytes": 1 << 20, "admission": {"max_retries": 0}}},
+    {"frontend": {"max_body_bytes": 1 << 20, "admission": {"max_retries": 0}}},
     {"http": {"router_replicas_per_node": 3, "router_buffer_bytes": 1 << 20}},
 ])
 def test_every_ray_container_gets_the_config_ray_env(kvtide_values):

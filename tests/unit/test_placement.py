@@ -50,9 +50,9 @@ def test_shared_gpu_engine_claims_only_its_share_in_vllms_memory_check(share, ex
 
 def test_logical_cpus_cover_engines_and_ingress():
     """A local cluster reserves the engines' bundles, plus one CPU per ingress replica in ingress mode only."""
-    ingress = parse_config({"resources": {"device": "cpu"}, "ingress": {"num_replicas": 2}, "http": {"mode": "ingress"}})
+    ingress = parse_config({"resources": {"device": "cpu"}, "frontend": {"num_replicas": 2}, "http": {"mode": "ingress"}})
     assert logical_cpus_needed(ingress, 3) == 3 * 2.0 + 2
-    direct = parse_config({"resources": {"device": "cpu"}, "ingress": {"num_replicas": 2}})
+    direct = parse_config({"resources": {"device": "cpu"}, "frontend": {"num_replicas": 2}})
     assert logical_cpus_needed(direct, 3) == 3 * 2.0
 
 

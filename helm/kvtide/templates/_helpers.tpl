@@ -185,7 +185,13 @@ The Ray Serve config: one application whose args are the kvtide config, the same
 `kvtide serve-config` prints (cluster/serve_config.py); a unit test pins the equality.
 */}}
 {{- define "kvtide.serveConfig" -}}
-{{- $app := dict "name" "kvtide" "route_prefix" "/" "import_path" "kvtide.cluster.app:build_app" "args" .Values.kvtide }}
+{{- $args := .Values.kvtide }}
+{{- if hasKey $args "ingress" }}
+{{- /* kvtide.ingress is the old name of kvtide.frontend: the user's old keys win over the defaults. */}}
+{{- $args = omit (deepCopy .Values.kvtide) "ingress" }}
+{{- $_ := set $args "frontend" (mergeOverwrite (deepCopy (.Values.kvtide.frontend | default dict)) (deepCopy .Values.kvtide.ingress)) }}
+{{- end }}
+{{- $app := dict "name" "kvtide" "route_prefix" "/" "import_path" "kvtide.cluster.app:build_app" "args" $args }}
 {{- $http := dict "host" "0.0.0.0" "port" (int (include "kvtide.httpPort" .)) }}
 {{- toYaml (dict "proxy_location" "EveryNode" "http_options" $http "applications" (list $app)) }}
 {{- end }}
@@ -224,7 +230,7 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
 - name: RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE
   value: {{ dig "http" "router_replicas_per_node" 1 .Values.kvtide | int64 | toString | quote }}
 - name: RAY_SERVE_HAPROXY_RETRIES
-  value: {{ add 3 (dig "ingress" "admission" "max_retries" 2 .Values.kvtide | int64) | toString | quote }}
+  value: {{ add 3 (dig "ingress" "admission" "max_retries" (dig "frontend" "admission" "max_retries" 2 .Values.kvtide) .Values.kvtide | int64) | toString | quote }}
 - name: RAY_SERVE_HAPROXY_RETRY_ON
   value: "conn-failure empty-response junk-response 503"
 {{- end }}
@@ -240,9 +246,9 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
       key: {{ .Values.hfToken.secretKey }}
 {{- end }}
 {{- if .Values.apiKeys.existingSecret }}
-{{- $envName := dig "ingress" "auth" "api_keys_env" "" .Values.kvtide }}
+{{- $envName := dig "ingress" "auth" "api_keys_env" (dig "frontend" "auth" "api_keys_env" "" .Values.kvtide) .Values.kvtide }}
 {{- if not $envName }}
-{{- fail "apiKeys.existingSecret is set but kvtide.ingress.auth.api_keys_env is empty; set it (default KVTIDE_API_KEYS) so the ingress reads the keys" }}
+{{- fail "apiKeys.existingSecret is set but kvtide.frontend.auth.api_keys_env is empty; set it (default KVTIDE_API_KEYS) so the frontend reads the keys" }}
 {{- end }}
 - name: {{ $envName }}
   valueFrom:
