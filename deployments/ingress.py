@@ -1,9 +1,12 @@
 """Ingress mode's front door: a Serve deployment that owns the tokenizer and the engine handle.
 
-    client ─HTTP─► Ingress replica (openai_app + frontend) ─handle─► EngineReplica (router picks)
+    client ─HTTP─► Ingress replica (frontend.app + frontend.pipeline) ─handle─► EngineReplica (router picks)
 
-The OpenAI app, the request pipeline and the handle client live in their own modules
-(openai_app, frontend, prompts, engine_client, sse); this class wires them for one replica
+Who needs it: Ray clusters where Serve's HAProxy direct ingress cannot run, and side-by-side
+comparisons; direct mode (the default) has no Ray hop on the token path.
+
+The OpenAI app, the request pipeline and the handle client live in deployments/frontend/
+(app, pipeline, prompts, engine_client, sse); this class wires them for one replica
 and answers the engines' warm-start lookups (`hot_prefixes`). Direct mode (deployments.server)
 wires the same parts inside the engine replica instead.
 """
@@ -11,7 +14,6 @@ wires the same parts inside the engine replica instead.
 from __future__ import annotations
 
 import asyncio
-import time
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -31,9 +33,9 @@ class Ingress:
     def __init__(self, engine: DeploymentHandle, config_dict: dict):
         config: KvtideConfig = parse_config(config_dict)
         self.engine = engine
-        self.hot_prefixes_tracker = HotPrefixTracker(config.engine.block_size)
         self.frontend, self.api_keys = build_frontend(
-            config, lambda limits: HandleEngineClient(engine, limits), self.hot_prefixes_tracker, "ingress")
+            config, lambda limits: HandleEngineClient(engine, limits), HotPrefixTracker(config.engine.block_size),
+            "ingress")
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.frontend, self.api_keys, self._engine_ready)
@@ -46,4 +48,4 @@ class Ingress:
 
     async def hot_prefixes(self, limit: int = 32) -> list[tuple[list[int], float]]:
         """Handle method (not HTTP): shared prefixes a new engine replica should prefill."""
-        return self.hot_prefixes_tracker.hottest(time.monotonic(), limit=limit)
+        return self.frontend.routing.hottest(limit)

@@ -6,6 +6,7 @@
           (runs the engine deployment's request router: kvtide's prefix_aware, or a baseline)
     ◄── {"replica_id": "SERVE_REPLICA::<app>#Engine#<id>",
          "request_headers": {prompts.ROUTED_TOKENS_HEADER: <the token ids>,
+                             routing_key.ROUTED_HASHES_HEADER: <their block hashes>,
                              routing.trust.PREDICTED_CACHED_TOKENS_HEADER: <tokens>;<replica>}};
         HAProxy forwards the original request, with those headers, to that replica's own HTTP port
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 from typing import Any, Awaitable, Callable
 
 from ray import serve
@@ -38,7 +38,7 @@ from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.messages import RoutingKey
 from kvtide.deployments.frontend.prompt_pool import PromptPool
 from kvtide.deployments.frontend.prompts import SESSION_HEADER, Prompt, PromptBuilder, load_tokenizer, session_key
-from kvtide.deployments.routing.block_hash import block_hashes, salt_root
+from kvtide.deployments.frontend.routing_key import PromptRouting, prompt_block_hashes
 from kvtide.deployments.routing.trust import prediction_header
 
 logger = replica_logger("router_peer")
@@ -56,8 +56,7 @@ class RouterPeer:
         tokenizer = load_tokenizer(config)
         self.prompts = PromptBuilder(config, tokenizer)
         self.prompt_pool = PromptPool.for_config(config, tokenizer)  # None: tokenize on the event loop
-        self.send_prompt_text = config.routing.policy == "ray_prefix"
-        self.hot_prefixes_tracker = HotPrefixTracker(self.block_size)
+        self.routing = PromptRouting(config, tokenizer, HotPrefixTracker(self.block_size))
 
     def __serve_build_asgi_app__(self):
         return route_app(self.route)
@@ -67,30 +66,29 @@ class RouterPeer:
         tokenize = functools.partial(routing_prompt_and_hashes, body=body, block_size=self.block_size)
         prompt, hashes = await self.prompt_pool.run(tokenize) if self.prompt_pool else tokenize(self.prompts)
         token_ids = prompt.token_ids if prompt is not None else []
-        # (hashes imply a prompt) a salted (tenant-private) prefix is never warmed elsewhere
-        if hashes and prompt.request.cache_salt is None:
-            self.hot_prefixes_tracker.observe(token_ids, hashes, time.monotonic())
+        if prompt is not None:
+            self.routing.observe(token_ids, hashes, prompt.request.cache_salt)
         key = RoutingKey(block_hashes=hashes,
                          session_key=session_key(prompt, session_header) if prompt is not None else None,
-                         prompt=self.prompts.tokenizer.decode(token_ids) if self.send_prompt_text else None)
+                         prompt=self.routing.prompt_text(token_ids))
         async with self.engine.choose_replica(key, _reserve=False) as selection:
             replica_id = selection._replica.replica_id.to_full_id_str()
-        # HAProxy sets these headers on the request it forwards: the replica skips tokenizing,
-        # and learns what the router expected it to have cached.
+        # HAProxy sets these headers on the request it forwards: the replica skips tokenizing
+        # and hashing, and learns what the router expected it to have cached.
         room_bytes = self.buffer_bytes - len(body) - HEADER_HEADROOM_BYTES
         return {"replica_id": replica_id, "request_headers": route_headers(self.prompts, token_ids, key, room_bytes)}
 
     async def hot_prefixes(self, limit: int = 32) -> list[tuple[list[int], float]]:
         """Handle method (not HTTP): shared prefixes a new engine replica should prefill."""
-        return self.hot_prefixes_tracker.hottest(time.monotonic(), limit=limit)
+        return self.routing.hottest(limit)
 
 
 def routing_prompt_and_hashes(prompts: PromptBuilder, body: bytes, block_size: int) -> tuple[Prompt | None, tuple]:
     """A body's prompt (None when invalid) and its block hashes, salted by its cache_salt."""
     prompt = prompts.routing_prompt(body)
-    token_ids = prompt.token_ids if prompt is not None else []
-    salt = prompt.request.cache_salt if prompt is not None else None
-    return prompt, tuple(block_hashes(token_ids, block_size, parent=salt_root(salt)))
+    if prompt is None:
+        return None, ()
+    return prompt, prompt_block_hashes(prompt.token_ids, block_size, prompt.request.cache_salt)
 
 
 ROUTE_PATH = "/internal/route"
@@ -102,10 +100,8 @@ def route_app(route: Callable[[bytes, str | None], Awaitable[dict[str, Any]]]) -
 
     Every POST a client sends waits for this answer (HAProxy's Lua consults it before it
     forwards, and reads the answer until the peer closes the connection), so it skips
-    FastAPI's routing, middleware and dependency solving for its one route. On the 2-core CPU
-    that halved what HAProxy and the consult add to one stream's TTFT: full path − replica
-    alone 15.3 / 15.6 → 7.9 / 8.4 ms in alternating runs
-    (benchmarks/results/overhead-cpu-peer-asgi).
+    FastAPI's routing, middleware and dependency solving for its one route: that work would
+    sit on every request's time to first token (benchmarks/results/overhead-cpu-peer-asgi).
     """
     async def app(scope: dict[str, Any], receive: Callable[[], Awaitable[dict]],
                   send: Callable[[dict], Awaitable[None]]) -> None:
@@ -147,13 +143,14 @@ HEADER_HEADROOM_BYTES = 16 << 10
 
 
 def route_headers(prompts: PromptBuilder, token_ids: list[int], key: RoutingKey, room_bytes: int) -> dict[str, str]:
-    """The headers HAProxy sets on the forwarded request: the token ids, and the router's prediction if any.
+    """The headers HAProxy sets on the forwarded request: the token ids and their block hashes, and the
+    router's prediction if any.
 
-    The token ids only if they fit in `room_bytes`, what HAProxy's buffer has left beside the
-    body: a header that does not fit fails HAProxy's rewrite, and the request with it (the
-    replica tokenizes when the header is absent).
+    The token ids and hashes only if they fit in `room_bytes`, what HAProxy's buffer has left
+    beside the body: a header that does not fit fails HAProxy's rewrite, and the request with
+    it (the replica tokenizes and hashes when the headers are absent).
     """
-    tokens = prompts.routed_tokens_header(token_ids)
+    tokens = prompts.routed_tokens_header(token_ids, key.block_hashes)
     if sum(len(k) + len(v) + 4 for k, v in tokens.items()) > room_bytes:
         tokens = {}
     return {**tokens, **prediction_header(key.decision)}

@@ -37,7 +37,7 @@ class EngineServer(EngineReplica):
         await EngineReplica.__init__(self, config_dict)
         self.frontend, self.api_keys = build_frontend(
             self.config, lambda limits: LocalEngineClient(self.generate, limits), None, "engine server")
-        self.frontend.trust_router_headers = True  # the routing peer's tokens, set by HAProxy: tokenize once
+        self.frontend.accepts_router_headers = True  # the routing peer's tokens, set by HAProxy: tokenize once
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.frontend, self.api_keys, self.ready)

@@ -121,8 +121,9 @@ class KvCacheTracker:
                              cache_salt: str | None = None) -> int:
         """How many of a prompt's full blocks, from the first, this replica holds.
 
-        From its chained `hashes` when the caller has them (ingress mode), else hashed from
-        `token_ids` up to the first miss (direct mode). Read from the event loop while the
+        From its chained `hashes` when the request carries them (hashed by the router's side:
+        the Ingress frontend, or the routing peer in direct mode), else hashed from `token_ids`
+        up to the first miss (a prompt too long for the peer's header). Read from the event loop while the
         listener thread writes: a dict lookup is atomic under the GIL, and an answer one
         event old only shifts an estimate.
         """
@@ -135,7 +136,3 @@ class KvCacheTracker:
                 break
             count += 1
         return count
-
-    def held_hashes(self) -> frozenset[BlockHash]:
-        """The block set now (tests, debugging; the router learns it from digests)."""
-        return frozenset(self._held)

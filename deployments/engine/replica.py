@@ -145,8 +145,8 @@ class EngineReplica:
 
     def _set_start_phases(self) -> None:
         # Set again with the other gauges (_refresh_gauges): Ray's metrics agent drops a gauge
-        # that is not set for a while, and a fleet that started an hour ago showed "No data" in
-        # the start-up panel (the real-Prometheus test failed whenever no replica had started lately).
+        # that is not set for a while, so a fleet whose replicas all started long ago would show
+        # "No data" in the start-up panel.
         for phase, seconds in self._start_phases.items():
             self._start_gauge.set(seconds, {"model": self.config.model_name, "phase": phase})
 

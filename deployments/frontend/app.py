@@ -10,13 +10,12 @@ later cannot skip it (a unit test enumerates the app's routes). Unknown paths (4
 wrong methods (405) answer in OpenAI's error shape too.
 
 The two generation POSTs are dispatched ahead of FastAPI (`OpenAIApp`): each is on a client's
-TTFT, and FastAPI's routing, dependency solving and middleware stack cost ~0.25 ms of it on
-the 2-core CPU (uvicorn, a POST answered with a 2-chunk SSE stream: time to the token chunk
-0.75 → 0.50 ms p50). They take the same key check (`_authorize`) and the same handler; every
-other request (GETs, other paths and methods, a trailing slash) is FastAPI's.
+TTFT, which FastAPI's routing, dependency solving and middleware stack would lengthen. They
+take the same key check (`_authorize`) and the same handler; every other request (GETs,
+other paths and methods, a trailing slash) is FastAPI's.
 
 Built per replica (`build_openai_app` is a Serve late-bound ASGI app: the replica's
-`__serve_build_asgi_app__` calls it after its constructor), by an ingress replica or by an
+`__serve_build_asgi_app__` calls it after its constructor), by an Ingress replica or by an
 engine replica serving HTTP directly; the same routes either way.
 """
 

@@ -7,7 +7,7 @@ A request's path, each step refusing with an OpenAI-style body:
       → respond: JSON, or SSE (sse.ChunkRenderer); a failure after the first byte is an SSE
         error event + [DONE]
 
-Authentication is not here: openai_app puts it in front of every /v1 route as a FastAPI
+Authentication is not here: app.py puts it in front of every /v1 route as a FastAPI
 dependency. A client that disconnects mid-stream cancels the engine call, which aborts the
 request inside the engine. Prompts and keys are never logged: log lines carry request ids
 and exception class names only.
@@ -19,7 +19,7 @@ for a replica). Their sum is the TTFT the client sees, minus the first byte's tr
 
 Index trust (`deployments.routing.trust`): when a request finishes, its router's prediction
 (cached prompt tokens on the replica it picked) is compared with the engine's report. The
-prediction comes from the routing peer's header in direct mode (trusted only there, like the
+prediction comes from the routing peer's header in direct mode (accepted only there, like the
 token ids) or from the request's own `decision` slot in ingress mode, where the router ran
 in this process; requests of other policies carry none and record nothing.
 """
@@ -53,7 +53,8 @@ from kvtide.deployments.frontend.prompts import (
     session_key,
 )
 from kvtide.deployments.frontend.protocol import ApiError, Usage, chat_response, completion_response, now_s
-from kvtide.deployments.routing.block_hash import block_hashes, salt_root
+from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, PromptRouting, decode_block_hashes
+from kvtide.deployments.routing.block_hash import BlockHash
 from kvtide.deployments.routing.trust import (
     PREDICTED_CACHED_TOKENS_HEADER,
     Prediction,
@@ -102,16 +103,16 @@ class OpenAIFrontend:
         self.prompts = prompts
         self.engine = engine
         self.metrics = metrics
-        self.hot_prefixes = hot_prefixes
+        self.routing = PromptRouting(config, prompts.tokenizer, hot_prefixes)
         self.model_name = config.model_name
         self.block_size = config.engine.block_size
-        self.send_prompt_text = config.routing.policy == "ray_prefix"
         self.limits = admission_limits(config)
         self.gate = AdmissionGate(self.limits.max_ongoing_requests)
         # Direct mode only: there HAProxy strips the router's headers from clients and the
-        # routing peer sets them (prompts.ROUTED_TOKENS_HEADER, and the router's prediction,
-        # trust.PREDICTED_CACHED_TOKENS_HEADER); an ingress replica tokenizes itself.
-        self.trust_router_headers = False
+        # routing peer sets them (prompts.ROUTED_TOKENS_HEADER, routing_key.ROUTED_HASHES_HEADER
+        # and the router's prediction, trust.PREDICTED_CACHED_TOKENS_HEADER); an ingress
+        # replica tokenizes and hashes itself.
+        self.accepts_router_headers = False
 
     # ---- entry --------------------------------------------------------------------------
 
@@ -132,7 +133,8 @@ class OpenAIFrontend:
             prompt = self.prompts.build(endpoint, parse_json_body(await self.prompts.read_body(request)),
                                         self._routed_tokens(request))
             response = await self._run(endpoint, prompt, deadline, ticket, timing,
-                                       request.headers.get(SESSION_HEADER), self._routed_prediction(request))
+                                       request.headers.get(SESSION_HEADER), self._routed_prediction(request),
+                                       self._routed_hashes(request, prompt))
             streaming = isinstance(response, StreamingResponse)
             return response
         except ApiError as err:
@@ -149,11 +151,22 @@ class OpenAIFrontend:
                 ticket.release()
 
     def _router_header(self, request: Any, name: str) -> str | None:
-        """A header the routing peer set (direct mode, via HAProxy); None where it cannot be trusted."""
-        return request.headers.get(name) if self.trust_router_headers else None
+        """A header the routing peer set (direct mode, via HAProxy); None where a client could have set it."""
+        return request.headers.get(name) if self.accepts_router_headers else None
 
     def _routed_tokens(self, request: Any) -> list[int] | None:
         return decode_token_ids(self._router_header(request, ROUTED_TOKENS_HEADER))
+
+    def _routed_hashes(self, request: Any, prompt: Prompt) -> tuple[BlockHash, ...] | None:
+        """The routing peer's block hashes of this prompt (direct mode); None: hash here if needed.
+
+        Only with the peer's token ids: hashes of a prompt the replica tokenized itself could
+        belong to other tokens (a chat template applied differently), and are not used.
+        """
+        if not self.accepts_router_headers or request.headers.get(ROUTED_TOKENS_HEADER) is None:
+            return None
+        return decode_block_hashes(self._router_header(request, ROUTED_HASHES_HEADER), len(prompt.token_ids),
+                                   self.block_size)
 
     def _routed_prediction(self, request: Any) -> Prediction | None:
         return decode_prediction_header(self._router_header(request, PREDICTED_CACHED_TOKENS_HEADER))
@@ -170,24 +183,28 @@ class OpenAIFrontend:
         self.metrics.on_rejected(self.model_name, reason)
 
     async def _run(self, endpoint: str, prompt: Prompt, deadline: Deadline, ticket: _Ticket,
-                   timing: _Timing, session_header: str | None, prediction: Prediction | None = None) -> Any:
+                   timing: _Timing, session_header: str | None, prediction: Prediction | None = None,
+                   routed_hashes: tuple[BlockHash, ...] | None = None) -> Any:
         req = prompt.request
-        rid = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        # Block hashes feed the router and the hot-prefix tracker; in direct mode the routing
-        # peer has done both, so the engine replica skips hashing on its hot path.
+        request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        # Block hashes feed the router and the hot-prefix tracker (ingress mode: both run in
+        # this process) and the engine's cached-prefix count. In direct mode the routing peer
+        # has routed, counted and hashed; its hashes ride along so the engine hashes nothing.
         routes = self.engine.routes_requests
         salt = req.cache_salt
-        hashes = (tuple(block_hashes(prompt.token_ids, self.block_size, parent=salt_root(salt)))
-                  if routes or self.hot_prefixes else ())
-        if self.hot_prefixes is not None and salt is None:
-            # A salted (tenant-private) prefix is never warmed into a new replica's shared cache.
-            self.hot_prefixes.observe(prompt.token_ids, hashes, time.monotonic())
+        if routed_hashes is not None:
+            hashes = routed_hashes
+        elif routes or self.routing.hot_prefixes is not None:
+            hashes = self.routing.hashes(prompt.token_ids, salt)
+            self.routing.observe(prompt.token_ids, hashes, salt)
+        else:
+            hashes = ()
         gen_req = GenerateRequest(
-            request_id=rid, prompt_token_ids=prompt.token_ids,
+            request_id=request_id, prompt_token_ids=prompt.token_ids,
             sampling=SamplingSpec(max_tokens=prompt.max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   seed=req.seed, stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos),
             block_hashes=hashes, cache_salt=salt, session_key=session_key(prompt, session_header),
-            prompt=self.prompts.tokenizer.decode(prompt.token_ids) if routes and self.send_prompt_text else None)
+            prompt=self.routing.prompt_text(prompt.token_ids) if routes else None)
         tags = {"model": self.model_name, "endpoint": endpoint}
         self.metrics.prompt_tokens.inc(len(prompt.token_ids), tags)
         timing.engine_called_s = time.perf_counter()
@@ -200,7 +217,7 @@ class OpenAIFrontend:
             self._on_first_token(timing, first)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            renderer = ChunkRenderer(endpoint, rid, self.model_name, now_s(), include_usage, req.return_token_ids)
+            renderer = ChunkRenderer(endpoint, request_id, self.model_name, now_s(), include_usage, req.return_token_ids)
             body = self._stream(renderer, gen_req, stream, deadline, ticket, timing, tags, prediction)
             # The body releases the gate when it ends; should the server drop the response
             # without iterating it (the client left first), collection releases it instead.
@@ -209,7 +226,7 @@ class OpenAIFrontend:
             if first is not None:
                 headers["x-kvtide-replica"] = first.replica_id
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-        return await self._complete(endpoint, rid, prompt, stream, deadline, timing, tags, prediction,
+        return await self._complete(endpoint, request_id, prompt, stream, deadline, timing, tags, prediction,
                                     return_token_ids=req.return_token_ids)
 
     def _on_first_token(self, timing: _Timing, first: GenerateDelta) -> None:
@@ -219,7 +236,7 @@ class OpenAIFrontend:
         self.metrics.on_ttft_phases(self.model_name, frontend_s=timing.engine_called_s - timing.arrived_s,
                                     engine_s=engine_s, transport_s=to_first_delta_s - engine_s)
 
-    async def _complete(self, endpoint: str, rid: str, prompt: Prompt, stream: EngineStream, deadline: Deadline,
+    async def _complete(self, endpoint: str, request_id: str, prompt: Prompt, stream: EngineStream, deadline: Deadline,
                         timing: _Timing, tags: dict[str, str], prediction: Prediction | None = None,
                         return_token_ids: bool = False) -> JSONResponse:
         """A non-streamed response: collect every delta, then answer once."""
@@ -246,7 +263,7 @@ class OpenAIFrontend:
             raise
         except Exception as exc:
             stream.cancel()
-            logger.warning("request %s failed in the engine: %s", rid, type(exc).__name__)
+            logger.warning("request %s failed in the engine: %s", request_id, type(exc).__name__)
             self.metrics.on_request_done(self.model_name, endpoint, 503)
             return error_response(ApiError(503, "the engine failed while generating; retry the request",
                                            code="engine_unavailable",
@@ -260,7 +277,7 @@ class OpenAIFrontend:
         finish = last.finish_reason if last else None
         headers = {"x-kvtide-replica": last.replica_id} if last else None
         render = chat_response if endpoint == "chat" else completion_response
-        body = render(rid, self.model_name, created, full, finish, usage, token_ids if return_token_ids else None)
+        body = render(request_id, self.model_name, created, full, finish, usage, token_ids if return_token_ids else None)
         return JSONResponse(body, headers=headers)
 
     async def _stream(self, renderer: ChunkRenderer, gen_req: GenerateRequest, stream: EngineStream,

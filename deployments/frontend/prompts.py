@@ -17,8 +17,10 @@ header `ROUTED_TOKENS_HEADER` (base64 of little-endian uint32). The name is in t
 `x-serve-router-` namespace, which HAProxy strips from client requests before it applies
 the peer's headers, so a client cannot send it through HAProxy. The replica still runs
 every check that does not need the tokenizer (message count, characters, vocabulary range,
-context budget) on those ids. Above `MAX_ROUTED_TOKENS` the peer leaves the header out
-and the replica tokenizes itself (a header that large would crowd HAProxy's buffer).
+context budget) on those ids. Beside them go the ids' block hashes
+(routing_key.ROUTED_HASHES_HEADER), so the replica does not hash them again either. Above
+`MAX_ROUTED_TOKENS` the peer leaves both out and the replica tokenizes itself (a header that
+large would crowd HAProxy's buffer).
 """
 
 from __future__ import annotations
@@ -30,20 +32,20 @@ import re
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from pydantic import ValidationError
 
 from kvtide.config import KvtideConfig
 from kvtide.deployments.frontend.admission import max_prompt_chars
 from kvtide.deployments.frontend.protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_error_to_api
+from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, encode_block_hashes
 from kvtide.deployments.frontend.token_encoder import TokenEncoder
 
 # Completions default to 16 output tokens, as OpenAI's legacy endpoint does.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # A JSON escape of a UTF-16 surrogate; only then can a parsed body hold a lone surrogate.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-ENDPOINTS = ("completions", "chat")
 ROUTED_TOKENS_HEADER = "x-serve-router-kvtide-prompt-tokens"
 SESSION_HEADER = "x-session-id"  # Ray Serve's default RAY_SERVE_SESSION_ID_HEADER_KEY
 MAX_ROUTED_TOKENS = 16384  # 87 KB of base64: well inside HAProxy's request buffer
@@ -160,11 +162,15 @@ class PromptBuilder:
         token_ids = self.completion_tokens(req, routed_tokens)
         return Prompt(req, token_ids, self._budget(token_ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt"))
 
-    def routed_tokens_header(self, token_ids: list[int]) -> dict[str, str]:
-        """The routing peer's header carrying `token_ids` to the replica; {} when too long or empty."""
+    def routed_tokens_header(self, token_ids: list[int], hashes: Sequence[int] = ()) -> dict[str, str]:
+        """The routing peer's headers carrying `token_ids` (and their block hashes, if any) to the
+        replica; {} when too long or empty."""
         if not token_ids or len(token_ids) > MAX_ROUTED_TOKENS:
             return {}
-        return {ROUTED_TOKENS_HEADER: encode_token_ids(token_ids)}
+        headers = {ROUTED_TOKENS_HEADER: encode_token_ids(token_ids)}
+        if hashes:
+            headers[ROUTED_HASHES_HEADER] = encode_block_hashes(hashes)
+        return headers
 
     def routing_prompt(self, body: bytes) -> Prompt | None:
         """Best-effort prompt of a raw body, for routing only: None when it is not a valid request.

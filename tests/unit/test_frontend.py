@@ -297,7 +297,7 @@ def test_routed_tokens_header_is_used_only_where_trusted(trusted, expected_promp
 
     frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
                               LocalEngineClient(generate, admission_limits(CONFIG)), FakeMetrics(), None)
-    frontend.trust_router_headers = trusted
+    frontend.accepts_router_headers = trusted
 
     async def ready() -> bool:
         return True
@@ -395,7 +395,7 @@ def test_predicted_cached_tokens_header_is_compared_only_where_trusted(stream, t
     metrics = FakeMetrics()
     frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
                               LocalEngineClient(generate, admission_limits(CONFIG)), metrics, None)
-    frontend.trust_router_headers = trusted
+    frontend.accepts_router_headers = trusted
 
     async def ready() -> bool:
         return True
@@ -441,3 +441,34 @@ def test_a_prompt_alone_over_the_context_names_the_field_that_holds_it(path, bod
     client, _ = _app()
     err = client.post(path, json=body).json()["error"]
     assert err["code"] == "context_length_exceeded" and err["param"] == param
+
+
+@pytest.mark.parametrize(("accepted", "with_tokens", "expect_routed"), [
+    (True, True, True), (True, False, False), (False, True, False)])
+def test_the_engine_gets_the_routing_peers_block_hashes_instead_of_hashing_again(accepted, with_tokens, expect_routed):
+    """Direct mode: the peer's hashes (with its token ids) reach the engine as the request's block_hashes;
+    without its token ids, or where router headers are not accepted, the hashes header is ignored."""
+    from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, encode_block_hashes
+
+    seen: list[GenerateRequest] = []
+
+    async def generate(request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        seen.append(request)
+        for delta in _deltas(1):
+            yield delta
+
+    frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
+                              LocalEngineClient(generate, admission_limits(CONFIG)), FakeMetrics(), None)
+    frontend.accepts_router_headers = accepted
+
+    async def ready() -> bool:
+        return True
+
+    routed_ids = list(range(2, 2 + 2 * CONFIG.engine.block_size + 3))  # two full blocks
+    headers = {ROUTED_HASHES_HEADER: encode_block_hashes((11, 22))}
+    if with_tokens:
+        headers[ROUTED_TOKENS_HEADER] = encode_token_ids(routed_ids)
+    client = TestClient(build_openai_app(frontend, ApiKeys([]), ready))
+    resp = client.post("/v1/completions", json={"model": "m", "prompt": "abc", "max_tokens": 1}, headers=headers)
+    assert resp.status_code == 200, resp.text
+    assert seen[0].block_hashes == ((11, 22) if expect_routed else ())

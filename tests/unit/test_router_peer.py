@@ -25,6 +25,7 @@ from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.messages import RoutingKey
 from kvtide.deployments.frontend.prompt_pool import PromptPool
 from kvtide.deployments.frontend.prompts import ROUTED_TOKENS_HEADER, PromptBuilder
+from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, PromptRouting, decode_block_hashes
 from kvtide.deployments.routing.ray_router import PrefixAwareRouter
 from kvtide.deployments.router_peer import HEADER_HEADROOM_BYTES, RouterPeer, route_app, route_headers
 from kvtide.deployments.routing.block_hash import block_hashes
@@ -65,8 +66,9 @@ class RouterHandle:
 
 @pytest.mark.parametrize("threads", [0, 2], ids=["on-the-loop", "tokenize-threads"])
 def test_the_peer_answers_with_the_routers_prediction_for_its_pick(threads):
-    """route(): the replica the router picked, and a prediction header naming it with its cached prompt tokens
-    (the same whether the peer tokenizes on its event loop or in its PromptPool's threads)."""
+    """route(): the replica the router picked, the token ids with their block hashes, and a prediction header
+    naming it with its cached prompt tokens (the same whether the peer tokenizes on its event loop or in its
+    PromptPool's threads)."""
     prompts = PromptBuilder(CONFIG, FakeTokenizer())
     pool = PromptPool([PromptBuilder(CONFIG, FakeTokenizer()) for _ in range(threads)]) if threads else None
     token_ids = prompts.routing_prompt(BODY).token_ids
@@ -79,14 +81,16 @@ def test_the_peer_answers_with_the_routers_prediction_for_its_pick(threads):
         replicas = [FakeReplica("a"), FakeReplica("b", {"digest": digest, "reported_s": 1.0})]
         router.update_replicas(replicas)
         await settle_digest_slices(router)  # the digest's slices run on the next loop turns
-        peer = SimpleNamespace(prompts=prompts, prompt_pool=pool, block_size=BS, send_prompt_text=False,
-                               buffer_bytes=CONFIG.http.router_buffer_bytes, hot_prefixes_tracker=HotPrefixTracker(BS), engine=RouterHandle(router, replicas))
+        peer = SimpleNamespace(prompts=prompts, prompt_pool=pool, block_size=BS, buffer_bytes=CONFIG.http.router_buffer_bytes,
+                               routing=PromptRouting(CONFIG, prompts.tokenizer, HotPrefixTracker(BS)),
+                               engine=RouterHandle(router, replicas))
         return await RouterPeer.route(peer, BODY)
 
     answer = asyncio.run(scenario())
     assert answer["replica_id"].endswith("#b")
     headers = answer["request_headers"]
-    assert set(headers) == {ROUTED_TOKENS_HEADER, PREDICTED_CACHED_TOKENS_HEADER}
+    assert set(headers) == {ROUTED_TOKENS_HEADER, ROUTED_HASHES_HEADER, PREDICTED_CACHED_TOKENS_HEADER}
+    assert decode_block_hashes(headers[ROUTED_HASHES_HEADER], len(token_ids), BS) == tuple(hashes)
     assert decode_prediction_header(headers[PREDICTED_CACHED_TOKENS_HEADER]) == Prediction("b", 2 * BS)
 
 
@@ -104,14 +108,15 @@ ROOM = 1 << 20
 
 
 def test_route_headers_leave_out_the_token_ids_where_haproxys_buffer_has_no_room_for_them():
-    """Token ids that would not fit beside the body in HAProxy's buffer are left out (the replica tokenizes);
-    the prediction still goes."""
+    """Token ids and hashes that would not fit beside the body in HAProxy's buffer are left out (the replica
+    tokenizes and hashes); the prediction still goes."""
     prompts = PromptBuilder(CONFIG, FakeTokenizer())
-    key = RoutingKey()
-    write_prediction(key.decision, "b", 0)
     ids = list(range(1, 301))
-    size = sum(len(k) + len(v) + 4 for k, v in prompts.routed_tokens_header(ids).items())
-    assert set(route_headers(prompts, ids, key, size)) == {ROUTED_TOKENS_HEADER, PREDICTED_CACHED_TOKENS_HEADER}
+    key = RoutingKey(block_hashes=tuple(block_hashes(ids, BS)))
+    write_prediction(key.decision, "b", 0)
+    size = sum(len(k) + len(v) + 4 for k, v in prompts.routed_tokens_header(ids, key.block_hashes).items())
+    assert set(route_headers(prompts, ids, key, size)) == {
+        ROUTED_TOKENS_HEADER, ROUTED_HASHES_HEADER, PREDICTED_CACHED_TOKENS_HEADER}
     assert set(route_headers(prompts, ids, key, size - 1)) == {PREDICTED_CACHED_TOKENS_HEADER}
 
 
@@ -124,8 +129,8 @@ def test_the_peer_sends_no_token_ids_for_a_body_that_fills_haproxys_buffer():
         router.initialize_state(block_size=BS, seed=0)
         replicas = [FakeReplica("a")]
         router.update_replicas(replicas)
-        peer = SimpleNamespace(prompts=prompts, prompt_pool=None, block_size=BS, send_prompt_text=False,
-                               buffer_bytes=buffer_bytes, hot_prefixes_tracker=HotPrefixTracker(BS),
+        peer = SimpleNamespace(prompts=prompts, prompt_pool=None, block_size=BS, buffer_bytes=buffer_bytes,
+                               routing=PromptRouting(CONFIG, prompts.tokenizer, HotPrefixTracker(BS)),
                                engine=RouterHandle(router, replicas))
         return await RouterPeer.route(peer, BODY)
 
