@@ -51,7 +51,7 @@ def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
         # (engines missing: died, not scaled up yet), the handle raises BackPressureError → 429.
         # Direct mode: unbounded. Serve counts every request of a simultaneous burst as queued
         # while it awaits its slot, free or not, and past this limit answers a plain-text 429
-        # itself (seen in CI: a burst of 128 against a limit of 8), before the gate can answer
+        # itself (any burst larger than the limit, with slots free), before the gate can answer
         # with OpenAI JSON. HAProxy's maxconn (4096 by default) bounds how many can wait.
         "max_queued_requests": (UNBOUNDED_SERVE_QUEUE if config.http.mode == "direct"
                                 else limits.max_queued_requests_per_handle),

@@ -202,14 +202,13 @@ class HttpConfig(Strict):
     throughput_optimized: bool = Field(
         True, description="Run Ray Serve in its throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1): "
                           "user code on the replica's main loop, gRPC between replicas, direct ingress. "
-                          "On an H200 it cut kvtide's TTFT p50 from 35 to 28 ms and ITL p50 at 16 streams "
-                          "from 9.0 to 1.6 ms.")
+                          "It shortens the serving path, so time to first token and inter-token latency are lower.")
     router_buffer_bytes: int = Field(
         256 << 10, ge=64 << 10, le=64 << 20,
         description="HAProxy's buffer per request (tune.bufsize): a body up to about this size is handed whole to "
                     "the routing peer, a longer one is cut (routed by load alone; the replica still gets it whole). "
                     "HAProxy copies each request into a second buffer of this size so that it can retry it, which "
-                    "costs time per request: at 4 MiB one stream's TTFT was ~6 ms longer on the CPU demo.")
+                    "costs time per request, growing with the size: a larger buffer lengthens every request's TTFT.")
     router_tokenize_threads: int = Field(
         4, ge=0, le=64, description="Threads the direct-mode routing peer tokenizes in, each with its own copy of "
                                     "the tokenizer (0: on the peer's event loop). HAProxy consults the peer before "
@@ -273,8 +272,8 @@ class KvtideConfig(Strict):
             "RAY_SERVE_ENABLE_HA_PROXY": "1" if self.http.mode == "direct" else "0",
             # Replicas with a direct-ingress port (both modes: throughput-optimized turns it on)
             # stay this long after they stop taking traffic, so load balancers see them leave;
-            # a health check every 250 ms sees it within a second. Ray's 30 s made every stop
-            # and scale-down wait 35 s.
+            # a health check every 250 ms sees it within a second. Ray's default (30 s) would
+            # make every stop and scale-down wait that long.
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
             # Ray starts its workers at nice 15: the engine replicas, HAProxy and the routing
             # peer would yield the CPU to Ray's own daemons (raylet, GCS, metrics agent) and to
@@ -302,8 +301,8 @@ class KvtideConfig(Strict):
                 # body is buffered (tune.bufsize above), so HAProxy can send it again.
                 # And a 503 from a replica: kvtide answers 503 only as "engine_unavailable, retry it"
                 # (its engine died or failed before the response began), which another replica can
-                # serve. The kill test saw it: a killed replica's engine core went first and the
-                # replica answered 4 of 8 requests of the window with it before its process died.
+                # serve. A killed replica's engine core can die first; the replica then answers
+                # with it until its own process dies (tests/integration/test_reliability.py kills one).
                 # junk-response: a reply cut off in its headers, for the same reason. A stream that
                 # already began is never retried (its 200 went out; a failure then is an SSE event).
                 "RAY_SERVE_HAPROXY_RETRY_ON": HAPROXY_RETRY_ON,

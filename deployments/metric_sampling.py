@@ -2,9 +2,10 @@
 
 Why: inter-token latency is observed once per output token, by vLLM's stat logger (every
 running request, every engine step) and by kvtide's frontend (every streamed chunk). Through
-`ray.util.metrics` each observation costs ~3–10 µs of the replica's event loop, and every
-one is also work for Ray's metrics agent: at 64 streams that was 13 % of the replica process
-on an H200 (benchmarks/results/h200-fastpath), a tax on every token the user waits for.
+`ray.util.metrics` each observation costs microseconds of the replica's event loop, and every
+one is also work for Ray's metrics agent: under many concurrent streams that is a sizeable
+share of the replica process (benchmarks/results/h200-fastpath), a tax on every token the
+user waits for.
 
 Inter-token latency is read only as quantiles (`histogram_quantile` over `_bucket` rates;
 no panel or alert uses its `_count`), and an evenly spaced subset of a stream has the same

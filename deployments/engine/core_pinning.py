@@ -2,15 +2,14 @@
 
 vLLM binds only the workers' OpenMP threads. The engine core's main thread waits for their output
 by spinning (`sched_yield`, for a second after each read), so left free it takes most of another
-core: on the 2-core machine, 0.84 of the core that HAProxy, the routing peer, the replica's HTTP
-server and the clients share. Pinned to the engine's own cores it yields to the worker there
-instead. Only the main thread: pinning every thread (its ZMQ input and output threads too) made a
-request hang for 60 s under overload in the tests (benchmarks/results/overhead-cpu-engine-core-pinning);
-those threads carry requests in and tokens out and must stay free to run on whichever core is idle.
+core: on a small machine, the core that HAProxy, the routing peer, the replica's HTTP server and
+the clients share. Pinned to the engine's own cores it yields to the worker there instead. Only
+the main thread: pinning every thread (its ZMQ input and output threads too) can leave a request
+hanging under overload (benchmarks/results/overhead-cpu-engine-core-pinning); those threads carry
+requests in and tokens out and must stay free to run on whichever core is idle.
 
 Linux gives a new thread its creator's affinity, so a thread the main thread starts after the pin
-(one did in a CI run, after the earlier tests; which vLLM thread it was is not known) would be
-confined with it. The replica therefore repeats `EngineCorePin.apply` with its gauge refresh: a
+(vLLM may start one at any time) would be confined with it. The replica therefore repeats `EngineCorePin.apply` with its gauge refresh: a
 thread that inherited the pin is freed within one period.
 """
 

@@ -2,11 +2,10 @@
 
 Why: a request count says little about the work queued on an LLM engine. On a
 shared-prefix load, a queued request whose system prompt is cached costs its question
-(~100 tokens); a cold one costs the whole prompt (thousands). On 4 H200 replicas
-(benchmarks/results/h200-session-2026-12-01) the router's count-based cost moved
-requests off the replica that held their prefix once queues grew, and each move was a
-cold 6k-token prefill that evicted another group: the hit rate fell from 0.75 to 0.15
-as the load rose. So each engine reports the uncached prompt tokens still ahead of its
+(~100 tokens); a cold one costs the whole prompt (thousands). A count-based cost moves
+requests off the replica that holds their prefix once queues grow, and each move is a
+cold prefill of the whole prompt that evicts another group, so the hit rate collapses as
+the load rises. So each engine reports the uncached prompt tokens still ahead of its
 first token, and the router weighs them.
 
 Per request: on arrival, its prompt tokens minus the longest prefix of its blocks that
@@ -14,11 +13,10 @@ the replica's own block set holds (the same view the router's digests come from)
 the books at its first output token (prefill done) or when it ends. Pure; the engine
 replica calls it from its event loop only.
 
-Drain rate: the report is up to a period (~1 s) old when a router reads it, and a 2k-token
-prefill ends in ~0.1 s on a GPU: on random prompts a replica caught mid-prefill at its
-report looked loaded for the whole period, and the router's picks herded onto the others
-(h200-session-2026-12-02c: round robin's TTFT p90 0.270 s against prefix_aware's 0.438).
-So the engine also reports how fast its backlog drains: tokens taken off the books by a
+Drain rate: the report is up to a period (~1 s) old when a router reads it, and a GPU
+finishes a prefill of a few thousand tokens in a fraction of that: a replica caught
+mid-prefill at its report would look loaded for the whole period, and the router's picks
+would herd onto the others. So the engine also reports how fast its backlog drains: tokens taken off the books by a
 first token, over the seconds the backlog was non-empty, both decayed with a time constant
 (`rate_tau_s`) so the rate follows a changing load. Busy time, not wall time: at a light
 load the rate is still the speed of a prefill, not the arrival rate. The router drains

@@ -70,7 +70,7 @@ def engine_kwargs(config: KvtideConfig, model_path: str) -> dict[str, Any]:
         # vLLM checks at start that free GPU memory >= utilization × total, even when
         # kv_cache_memory_bytes sizes the cache. With its default (0.92) the second engine on a
         # shared GPU fails ("Free memory on device ... is less than desired GPU memory
-        # utilization") once the first holds its weights: seen on an H200 with two 8B engines.
+        # utilization") once the first holds its weights.
         # The engine's share of the GPU is the honest claim.
         kwargs["gpu_memory_utilization"] = round(config.resources.gpus_per_worker * SHARED_GPU_UTILIZATION, 4)
     # Inside a Ray placement group vLLM would pick its Ray executor by itself, which

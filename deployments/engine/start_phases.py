@@ -1,10 +1,9 @@
 """Where an engine replica's start-up time goes, phase by phase (logged, and exported as a gauge).
 
-Why: on an H200 a new replica of the demo model served 48-71 s after the autoscaler's
-decision while vLLM's own engine init took 3-4 s (benchmarks/results/h200-session-2026-12-01).
-The rest is Ray placing the actor, Python importing vLLM in the replica, and vLLM spawning
-its engine-core process, which imports it again. Each replica now says how long each took,
-so the next run shows which one to cut.
+Why: a new replica serves many times later after the autoscaler's decision than vLLM's
+own engine init alone takes. The rest is Ray placing the actor, Python importing vLLM in
+the replica, and vLLM spawning its engine-core process, which imports it again. Each
+replica says how long each took, so a run shows which one to cut.
 
 Phases, from wall-clock stamps taken in the replica's constructor:
     process       the actor's process start → the constructor (a pre-started Ray worker

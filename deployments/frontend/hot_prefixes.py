@@ -19,8 +19,8 @@ Cost per request, because the routing peer observes every POST before HAProxy fo
 - Eviction by a heap, not a scan. Every entry decays at the same rate, so the order of decayed
   scores never changes between updates: `log2(score) + updated_s / half_life_s` ranks entries
   at any time, and changes only when an entry is counted. A full table met by a new key (every
-  unique prompt) used to scan all entries, `_decayed` each: ~0.2 ms per request on the 2-core
-  CPU once 256 unique prompts had been seen.
+  unique prompt) then pops the coldest in O(log n) instead of scanning all entries and
+  decaying each, which would cost every request O(max_entries) once the table is full.
 - The shared prefix is found by comparing block hashes (chained: equal through block i means
   equal tokens through block i), one per block, not the tokens one at a time.
 """

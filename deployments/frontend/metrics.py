@@ -4,7 +4,7 @@ They live where the frontend runs: an ingress replica (ingress mode) or an engin
 serving HTTP itself (direct mode); the names are the same in both.
 
 Latency histograms use buckets from 5 ms to 60 s: CPU demo engines sit at the top,
-H200 engines at the bottom, and both must resolve p50 and p99.
+GPU engines at the bottom, and both must resolve p50 and p99.
 """
 
 from __future__ import annotations

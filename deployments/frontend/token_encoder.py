@@ -3,10 +3,8 @@
 Why: the routing peer tokenizes every POST before HAProxy may forward it, so tokenizing is on
 every request's TTFT. transformers' `tokenizer.encode(text)` calls the Rust tokenizer's
 `encode_batch`, which also builds each token's string, offsets and masks for Python; the
-Rust `encode_batch_fast` (tokenizers >= 0.21) skips the offsets and returns the same ids. A
-480-word body's tokens and block hashes (~1,150 demo-model tokens), median: 0.91 → 0.66 ms on an
-H200 host, ~1.0 → 0.65 ms for the encode alone on the 2-core CPU
-(benchmarks/results/h200-session-2026-12-03b).
+Rust `encode_batch_fast` (tokenizers >= 0.21) skips the offsets and returns the same ids,
+so it does less work per token on every request's path.
 
 The fast call is taken only where it gives transformers' ids: a Rust-backed tokenizer whose
 backend has no truncation or padding set and splits special tokens as transformers would

@@ -3,9 +3,9 @@
 Why: a replica's report (pending prefill tokens, `deployments.engine.pending_prefill`) is up to a
 stats period (~1 s) old when the router reads it, plus the picks this router booked since.
 Read as is, a replica caught mid-prefill at its report looks loaded for the whole period,
-though a 2k-token prefill ends in ~0.1 s on a GPU; the picks of that period then herd onto
-the others. On random prompts on 4 H200 replicas round robin's TTFT p90 was 0.270 s against
-prefix_aware's 0.438 (h200-session-2026-12-02c).
+though a GPU finishes a prefill of a few thousand tokens in a fraction of it; the picks of
+that period then herd onto the others, and on prompts with no shared prefix (no cache
+affinity to win) the load-aware router's TTFT tail would fall behind round robin's.
 
 A fluid queue per replica, in wall-clock seconds (the engines stamp reports with theirs):
 
@@ -15,11 +15,11 @@ A fluid queue per replica, in wall-clock seconds (the engines stamp reports with
 
 with `rate` the engine's own measured drain rate (`prefill_tokens_per_s` in its report). An
 engine that reports no rate (0, older builds) is not drained: backlog = reported + booked,
-exactly the undrained view. A drained value is rounded up to `quantum_tokens` (256: ~13 ms
-of an H200's prefill of an 8B model, below what a routing choice can tell apart), so the
+exactly the undrained view. A drained value is rounded up to `quantum_tokens` (256: a few ms
+of a GPU's prefill of an 8B model, below what a routing choice can tell apart), so the
 router's per-replica snapshot (rebuilt only when a number changes) is not rebuilt at every
-decision as the value slides (building the snapshots was ~a third of a decision at 32
-replicas; benchmarks/router_microbench.py).
+decision as the value slides (building the snapshots is a large share of a decision;
+benchmarks/router_microbench.py measures it).
 """
 
 from __future__ import annotations

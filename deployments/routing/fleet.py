@@ -22,8 +22,8 @@ hands plain dicts and ids in.
 
 Sliced application (`slice_blocks`): the router's decisions and its digest application
 share one event loop, and a push can carry several reports of hundreds of changed blocks
-each (~0.1-0.3 ms apiece; a resync of 100k blocks ~5 ms), so a request arriving during a
-push waited for all of it. With `slice_blocks` set, `sync` only queues the digests and the
+each (a resync after a gap carries a full set of up to ~100k blocks), so without slicing a
+request arriving during a push waits for all of it. With `slice_blocks` set, `sync` only queues the digests and the
 owner calls `apply_digests(slice_blocks)` once per loop turn until it returns False: a
 decision then waits for one slice at most. A replica's digests apply in arrival order, one
 at a time; `forget` drops its queued digests and abandons one half applied.
@@ -42,13 +42,11 @@ from kvtide.deployments.routing.policy import RouterState
 from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
 
 # Block updates per digest slice in the router (deployments.routing.ray_router): each slice decodes and sets
-# apart its own part of the delta, then updates the index (`PrefixIndex._apply_delta_steps`),
-# ~0.6 µs a block all told, so a slice holds the loop ~10 µs at p50 and ~30 µs at p99 on the
-# benchmark (benchmarks/results/router_microbench.md); a push of ~1,000 changed blocks is ~60
-# loop turns. 16, not 32: a decision that arrives during a slice waits for the rest of it, and
-# 32-block slices held the loop ~17 µs at p50 and ~63 µs at p99 for the same total digest time
-# (~0.75 % of the loop, within noise); decision p99 fell in 4 of 6 alternating runs (medians
-# 112 → 103 µs on the busy 2-CPU machine). 8 cost more digest time (~0.80 %) and did not help.
+# apart its own part of the delta, then updates the index (`PrefixIndex._apply_delta_steps`).
+# The size trades two costs: a decision that arrives during a slice waits for the rest of it,
+# so larger slices lengthen the decision's tail, while smaller ones add per-slice overhead to
+# the total digest time without shortening that tail further. 16 is where the tail is short
+# and the overhead is not yet visible (benchmarks/results/router_microbench.md).
 DIGEST_SLICE_BLOCKS = 16
 
 
@@ -168,8 +166,7 @@ class FleetView:
         request (tokens_per_queued_request) or of its own prefill, whichever is more: a
         cold 6,000-token prompt just sent is 6,000 tokens ahead of the next request there,
         not 256. Without it, a second new prefix arriving within the report period could
-        land behind that prefill (h200-session-2026-12-02: first-of-group TTFT p50 1.77 s
-        against ray_prefix's 0.91 at 8 req/s). Not both: a short cold prompt must not
+        land behind that prefill, and wait for it before its own first token. Not both: a short cold prompt must not
         cost its replica the affinity of the next request of the same prefix.
         """
         extra = max(0, uncached_tokens - self.state.tunables.tokens_per_queued_request)

@@ -48,11 +48,10 @@ Algorithm, one decision:
                  rejects) keep replica-id order, so weights are computed for the few
                  tied replicas, not all N
 
-Why pending prefill (pend) and not a request count alone: on 4 H200 replicas with
-6,000-token system prompts (benchmarks/results/h200-session-2026-12-01) the count-only
-cost and guard moved requests off the replica holding their prefix as queues grew, each
-move a cold prefill that evicted another group there: the hit rate fell from 0.75 to
-0.15 as the load rose, against an oracle of 0.79-0.94. A queued hit costs ~100 tokens, a
+Why pending prefill (pend) and not a request count alone: with system prompts of
+thousands of tokens a count-only cost and guard move requests off the replica holding
+their prefix as queues grow, each move a cold prefill that evicts another group there,
+so the hit rate collapses as the load rises, far below what an oracle achieves. A queued hit costs ~100 tokens, a
 queued miss thousands; engines report the uncached tokens they have yet to prefill
 (`deployments.engine.pending_prefill`). Between reports (~1 s) a pick-only router adds its own
 picks (`FleetView.book_pick`): each is one queued request, and its uncached prompt tokens
@@ -326,9 +325,9 @@ def _break_tie_for_first(tied: list[int], ids: list[str], blocks_of: list[int], 
     the replica whose engine holds the fewest blocks, then by rendezvous weight.
 
     Fewest blocks for a new prefix (Ray's PrefixCacheAffinityRouter sends an unmatched prefix to its
-    smallest tree too): at low load every replica ties, and rendezvous alone dealt 20 groups to
-    4 replicas unevenly, so some engines held and served far more prefixes than others
-    (imbalance 1.36 against Ray's 1.00 on the H200, benchmarks/results/h200-session-2026-12-01c).
+    smallest tree too): at low load every replica ties, and rendezvous alone deals a few dozen
+    groups to a few replicas unevenly (a small sample of a uniform draw), so some engines would
+    hold and serve far more prefixes than others.
     The count is the engines' own report, which every router sees alike (routers still agree,
     but for the ~1 s a digest takes to reach them all). Only the first place is contested
     (later places are tried only when the first rejects, and keep their replica-id order), so

@@ -25,26 +25,21 @@ over ~40 blocks per decision, and with ints a whole chunk of blocks is checked a
 candidate by one C-level AND over the chunk instead of a Python step and a subset test per
 block; an int is also no container for the garbage collector to scan, nor a set to allocate
 when a block gains a second holder. A walk is bound by memory more than by arithmetic,
-though: a lookup in this dict of all replicas' blocks that misses the CPU cache costs ~0.3 µs
-on the benchmark machine, so the walk's long single-replica tail reads that replica's own
-(smaller) block set instead (`_match_one`). Measured (benchmarks/router_microbench.py, 32
-replicas, 114k blocks): `match` p50 38 → 24 µs, p99 84 → 61 µs.
+though: a lookup in this dict of all replicas' blocks usually misses the CPU cache, so the
+walk's long single-replica tail reads that replica's own (smaller) block set instead
+(`_match_one`). benchmarks/router_microbench.py measures `match`.
 
 Routing history by bits, one owner as a tuple: a block in the history almost always has
-one routed owner (99 % of 78k on the benchmark), so that case is a `(bit, expires_s)` tuple,
-one per booking shared by all its blocks, instead of a dict per block; a second owner turns
-it into a dict. Booking and pruning a request touch ~64 blocks each, mostly cache misses, so
-less memory per block is what makes them cheaper; `match` takes a dict's routed holders as
-one C-level `sum` of its keys (distinct powers of two: the sum is their OR). Measured
-(interleaved call by call with the dict-per-block, replica-id-keyed version on the benchmark's
-index, on a busy 2-CPU machine): pruning (`expire`) p50 18.0 → 15.8 µs, booking 15.8 → 14.9 µs,
-`match` 22.4 → 21.1 µs. The rest of a booking is cache misses on the ~78k-block dict itself.
+one routed owner, so that case is a `(bit, expires_s)` tuple, one per booking shared by all
+its blocks, instead of a dict per block; a second owner turns it into a dict. Booking and
+pruning a request touch tens of blocks each, mostly cache misses, so less memory per block
+is what makes them cheaper; `match` takes a dict's routed holders as one C-level `sum` of
+its keys (distinct powers of two: the sum is their OR). The rest of a booking is cache
+misses on the history dict itself.
 
 Bits back to replica ids through a memo (`_rids_in`): most matches end with the same few holder
 masks (every replica holds the shared system prompt, then all but the session's replica drop
-out), and naming them one bit at a time was a Python step per replica per decision. Measured
-(the same requests against the same index, old and new `match` alternating, 6 passes of 6,000):
-`match` p50 9.1 → 6.8 µs, mean 10.3 → 7.8 µs with a warm cache.
+out), and naming them one bit at a time would be a Python step per replica per decision.
 
 Invariants:
 - `_engine[h]` is never 0 (emptied entries are deleted), so the index size tracks the
@@ -86,9 +81,9 @@ EXPIRY_LOOKAHEAD_S = 0.25
 # on_routed prunes at most this many routing-history blocks per block it books (and at least
 # MIN_EXPIRY_BLOCKS): bookings expire at the rate they are made, so twice that rate drains any
 # backlog, while one booking no longer pays for a burst. Unbounded, the blocks due at a
-# booking follow the (Poisson) bookings of a TTL earlier: ~1 request's worth on average but
-# 4-5 at p99, which made `on_routed` p99 ~160 µs against p50 ~34 µs on the benchmark (and a
-# decision arriving meanwhile waited for it). Entries left past their expiry are only memory:
+# booking follow the (Poisson) bookings one TTL before it: about one request's worth on
+# average but several at the tail, which would make `on_routed`'s tail several times its
+# median (and a decision arriving meanwhile waits for it). Entries left past their expiry are only memory:
 # lookups check expiries whenever the queue's head is due (`match`'s `all_live`).
 EXPIRY_BLOCKS_PER_BOOKED = 2
 MIN_EXPIRY_BLOCKS = 64
@@ -202,10 +197,9 @@ class PrefixIndex:
                            max_blocks: int) -> Iterator[None]:
         """A delta in slices of at most `max_blocks` reported blocks, each slice building its own part's set.
 
-        Why not the whole delta's sets first: building them (~300 ints decoded, hashed and
-        tested against the replica's set) took ~60 µs at p50 and ~210 µs at p99 on the
-        benchmark machine, all in the delta's first slice, against ~15 µs for a slice's index
-        updates. Per part, removals are tested against the set as it is then: `stored` and
+        Why not the whole delta's sets first: building them (every int decoded, hashed and
+        tested against the replica's set) costs several times a slice's index updates, and
+        would all land in the delta's first slice. Per part, removals are tested against the set as it is then: `stored` and
         `removed` are disjoint, and removals go first, so a stored block's membership is the
         same as before the delta (the at-once path's answer); a block stored by an earlier
         part is not stored twice.
@@ -448,8 +442,8 @@ class PrefixIndex:
                 elif all_live:
                     dropped = unconfirmed & ~sum(owners)  # keys are distinct bits: sum is OR
                 else:
-                    # Bit loops are written out here and below: a shared generator cost the
-                    # benchmark's decision p50 4-7 µs (2026-12-02, back to back).
+                    # Bit loops are written out here and below: a shared generator adds a
+                    # frame and a resume per bit to every decision (benchmarks/router_microbench.py).
                     dropped, rest = 0, unconfirmed
                     while rest:
                         low = rest & -rest
@@ -471,7 +465,7 @@ class PrefixIndex:
 
     def _rids_in(self, bits: int) -> tuple[str, ...]:
         """The replicas of `bits`, memoized: `match` turns the same few masks (all replicas, all but
-        one) into replica ids at most decisions, and a Python step per bit cost ~0.15 µs."""
+        one) into replica ids at most decisions, and naming them costs a Python step per bit."""
         rid_of, rids, rest = self._rid_of, [], bits
         while rest:
             low = rest & -rest

@@ -9,9 +9,8 @@ queue-length probe between candidates, no `on_request_routed`. Ray's routers rel
   caller to keep the shorter queue; pick-only, the first of the two won: a random pick.
 - Ray Serve LLM's `PrefixCacheAffinityRouter` learns what each replica holds only from
   `on_request_routed` (it inserts the prompt into its prefix tree there). Pick-only, the tree
-  stayed empty, every request tied among "smallest tenants" and the first one won: on the
-  H200 (benchmarks/results/h200-session-2026-12-01d) all 67 requests at 4 req/s went to one of
-  four replicas, and on CPU (compare-cpu-tiebreak) all 135 to one of two.
+  stays empty, every request ties among "smallest tenants" and the first one wins: every
+  request goes to the same replica (benchmarks/results/compare-cpu-tiebreak).
 
 Ray Serve LLM's direct streaming (`ray/llm/_internal/serve/core/ingress/router.py`) picks
 the same way, so this is also how Ray's own app behaves with those routers today; a baseline

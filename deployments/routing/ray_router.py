@@ -15,8 +15,8 @@ router's in-flight counts come from Ray's local queue-length cache.
                 (routing history, the prefix group's demand, the session's last replica)
 
 Digests are applied when they arrive, not by the first decision after them: a report's
-deltas cost ~0.1 ms, but a full set of 100k blocks (after a gap) takes ~5 ms to decode,
-which used to land on one request per replica per period. They are applied in slices of
+deltas are cheap, but a full set (after a gap) is costly to decode, and applied lazily it
+would land on one request per replica per period. They are applied in slices of
 `DIGEST_SLICE_BLOCKS` blocks, one slice per event-loop turn (`loop.call_soon`), so a
 decision that arrives during a push waits for one slice, not for the whole push. Both run
 on the same event loop, so the index is never read mid-slice.
@@ -114,7 +114,7 @@ def is_pick_only(pending_request: Optional[PendingRequest]) -> bool:
                                                                                        RoutingKey)
 
 
-def _rid(replica_id: ReplicaID) -> str:
+def _replica_id(replica_id: ReplicaID) -> str:
     return replica_id.unique_id
 
 
@@ -135,7 +135,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         # Ray's hook for a new replica list or new routing stats: apply them now, so that
         # choose_replicas only reads (same event loop, so never concurrently with it).
         super().update_replicas(replicas)
-        self._fleet.sync({_rid(r.replica_id): r.routing_stats or {} for r in replicas})
+        self._fleet.sync({_replica_id(r.replica_id): r.routing_stats or {} for r in replicas})
         self._schedule_digest_slices()
         if not self._slices_scheduled:  # else once the last slice is applied
             self._record_digest_ages(time.monotonic())
@@ -163,19 +163,19 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         if now_s - self._digest_ages_set_s < DIGEST_AGE_RECORD_INTERVAL_S:
             return
         self._digest_ages_set_s = now_s
-        for rid, age_s in self._fleet.digest_ages_s(time.time()).items():
-            self._metrics.digest_age_s.set(age_s, {"replica": rid})
+        for replica_id, age_s in self._fleet.digest_ages_s(time.time()).items():
+            self._metrics.digest_age_s.set(age_s, {"replica": replica_id})
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         started_ns = time.perf_counter_ns()
         now_s = time.monotonic()
         queue_lens = self.replica_queue_len_cache
-        snapshots = self._fleet.snapshots((_rid(r.replica_id), queue_lens.get(r.replica_id))
+        snapshots = self._fleet.snapshots((_replica_id(r.replica_id), queue_lens.get(r.replica_id))
                                           for r in candidate_replicas)
         hashes, session_key = _request_hashes(pending_request), _session_key(pending_request)
         decision = self._state.rank(hashes, snapshots, self._rng, now_s=now_s, session_key=session_key)
-        by_id = {_rid(r.replica_id): r for r in candidate_replicas}
+        by_id = {_replica_id(r.replica_id): r for r in candidate_replicas}
         tags = {"policy": "prefix_aware"}
         self._metrics.decision_s.observe((time.perf_counter_ns() - started_ns) / 1e9, tags)
         self._metrics.decisions.inc(1, {**tags, "outcome": decision.outcome, "route": route_of(decision)})
@@ -190,16 +190,16 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
             picked = decision.ranked[0]
             self._fleet.book_pick(picked, len(hashes) * self._state.block_size - decision.matched_tokens)
             self._state.on_routed(picked, hashes, now_s, session_key)
-        return [[by_id[rid]] for rid in decision.ranked]
+        return [[by_id[replica_id]] for replica_id in decision.ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         # Until the engine's next digest, what we just sent counts as cached there.
-        self._state.on_routed(_rid(replica_id), _request_hashes(pending_request), time.monotonic(),
+        self._state.on_routed(_replica_id(replica_id), _request_hashes(pending_request), time.monotonic(),
                               _session_key(pending_request))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._fleet.forget(_rid(replica_id))
+        self._fleet.forget(_replica_id(replica_id))
 
 
 class RoundRobinRouter(FIFOMixin, RequestRouter):
@@ -212,6 +212,6 @@ class RoundRobinRouter(FIFOMixin, RequestRouter):
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
-        ordered = sorted(candidate_replicas, key=lambda r: _rid(r.replica_id))
+        ordered = sorted(candidate_replicas, key=lambda r: _replica_id(r.replica_id))
         start = next(self._counter) % len(ordered)
         return [[r] for r in ordered[start:] + ordered[:start]]

@@ -8,13 +8,13 @@ replica ids for the same key the same way, with no coordination:
 
 Why rendezvous and not a hash ring: adding or removing one replica changes the first
 choice of only the keys that replica wins or held (about 1/N of them), and it needs no
-ring state to keep in sync. Why this weight: it is two integer operations per replica
-(~0.1 µs; a full splitmix round per replica cost ~0.35 µs, 11 µs at 32 replicas). The key
-is mixed once per decision and replica ids are hashed once per process (blake2b, as block
-hashes are, never Python's salted `hash()`), so both sides of the XOR are well spread and
-one multiply suffices: measured over 200k random keys at 32 replicas, each replica is the
-first choice 1/32 ± 3 % of the time and each ordered first/second pair 1/992 within
-sampling noise. The weight must be equal in every process, so nothing here is salted.
+ring state to keep in sync. Why this weight: it is two integer operations per replica,
+paid for every candidate at every decision, where a full mixing round per replica would
+cost several times more. The key is mixed once per decision and replica ids are hashed
+once per process (blake2b, as block hashes are, never Python's salted `hash()`), so both
+sides of the XOR are well spread and one multiply suffices: each replica is the first
+choice about 1/N of the time and each ordered first/second pair about 1/(N(N-1))
+(tests/unit/test_routing_agreement.py pins the first choices' spread). The weight must be equal in every process, so nothing here is salted.
 """
 
 from __future__ import annotations

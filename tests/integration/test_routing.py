@@ -112,12 +112,13 @@ def test_ingress_mode_serves_and_both_routers_make_cache_hit_decisions(ingress_m
     prefix = _prefix(3)
     with httpx.Client(base_url=ingress_mode_app, timeout=120) as http:
         _ask(http, INGRESS_APP, prefix, "warm")
-        for i in range(12):
-            _ask(http, INGRESS_APP, prefix, f"again {i}")
+        cached = [_ask(http, INGRESS_APP, prefix, f"again {i}")[1] for i in range(12)]
+    # One engine: every request after the first reuses its ~1,800-token prefix, whichever ingress took it.
+    assert min(cached) >= 1024, f"cached prompt tokens per request: {cached}"
 
     def routers_with_new_hits() -> set[str]:
         grew = {w for w, n in _cache_hits_by_router(cluster.metrics_url).items() if n > before.get(w, 0.0)}
         return grew if len(grew) >= 2 else set()
 
-    assert len(wait_for(routers_with_new_hits, timeout_s=60, what="cache_hit decisions from two routers")) >= 2
+    wait_for(routers_with_new_hits, timeout_s=60, what="cache_hit decisions from two routers")
     assert metric_values(cluster.metrics_url, "ray_kvtide_router_decision_latency_seconds_count")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 
-from kvtide.deployments.engine.core_pinning import EngineCorePin, threads_to_free
+from kvtide.deployments.engine.core_pinning import EngineCorePin, logger, threads_to_free
 
 # A stand-in engine core: one helper thread at start, another each time it reads a line (as vLLM's
 # lazily started pools do), each announced on stdout once it runs.
@@ -70,9 +71,20 @@ def test_an_engine_with_every_core_is_left_alone():
     EngineCorePin(free, free, find_engine_cores=must_not_look).apply()
 
 
-def test_a_process_that_is_gone_is_skipped():
+def test_a_process_that_is_gone_is_skipped(caplog, monkeypatch):
     """An engine core that exited leaves a warning, not an exception."""
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     free = frozenset(os.sched_getaffinity(0))
-    EngineCorePin(frozenset({min(free)}), free, find_engine_cores=lambda: [child.pid]).apply()
+    assert len(free) >= 2, "needs two cores: an engine with every core is never pinned"
+    # The replica logger sits under `ray.serve`, which stops propagation once Ray is imported,
+    # so caplog's handler listens on the logger itself (and only there: each record once).
+    monkeypatch.setattr(logger, "propagate", False)
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            EngineCorePin(frozenset({min(free)}), free, find_engine_cores=lambda: [child.pid]).apply()
+    finally:
+        logger.removeHandler(caplog.handler)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(f"could not pin engine core {child.pid}: "), warnings

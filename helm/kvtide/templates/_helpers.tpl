@@ -205,8 +205,8 @@ files and the token too).
   value: {{ .Values.modelCache.mountPath | quote }}
 {{- if .Values.modelCache.compileCaches }}
 {{- /* vLLM's torch.compile artifacts and Triton's kernels, kept where the weights are: a new
-replica on a node (hostPath) or anywhere (pvc) then loads them instead of compiling, which
-took an H200 engine 24 s more to start (init 28 s cold against 3.5 s warm, demo model). */}}
+replica on a node (hostPath) or anywhere (pvc) then loads them instead of compiling them,
+which is most of a cold engine's initialization. */}}
 - name: VLLM_CACHE_ROOT
   value: {{ printf "%s/.vllm-cache" .Values.modelCache.mountPath | quote }}
 - name: TRITON_CACHE_DIR
