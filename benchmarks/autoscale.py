@@ -1,7 +1,7 @@
 """Step-load trace against the same cluster config: kvtide's KV policy vs Ray's queue-length policy.
 
     .venv/bin/python -m kvtide.benchmarks.autoscale --out-dir benchmarks/results/autoscale-cpu
-    .venv/bin/python -m kvtide.benchmarks.autoscale --config cluster/configs/gpu-demo.yaml \\
+    .venv/bin/python -m kvtide.benchmarks.autoscale --config config/presets/gpu-demo.yaml \\
         --set replicas.num_replicas=null --set replicas.min_replicas=1 --set replicas.max_replicas=4 \\
         --hardware "NVIDIA H200 x2" --out-dir benchmarks/results/autoscale-h200
 
@@ -468,8 +468,7 @@ async def _drive(base_url: str, metrics_url: str, model: str, trace: Trace, resu
 
 def load_variant_config(config_path: str | None, overrides: Sequence[str], variant: str, port: int,
                         queue_target_ongoing: float) -> Any:
-    from kvtide.cluster.cli import default_config_path
-    from kvtide.config import load_config
+    from kvtide.config import default_config_path, load_config
 
     path = config_path or default_config_path()
     shared = load_config(path, list(overrides))

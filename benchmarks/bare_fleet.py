@@ -7,7 +7,7 @@ plain round-robin HTTP load balancer; no routing by prefix, no autoscaling.
     N         replicas.num_replicas; with autoscaling, replicas.max_replicas (a fleet
               without an autoscaler is provisioned for its peak)
     servers   127.0.0.1, ports the OS hands out; each in a session of its own, stopped
-              with its whole process group (`overhead.server_process`)
+              with its whole process group (`processes.server_process`)
     binding   CPU: server i's OpenMP threads on their own cores, the same
               `cpu_threads_bind(i, tp, cores)` kvtide's replica of rank i gets;
               GPU: server i sees its own GPUs (CUDA_VISIBLE_DEVICES)
@@ -41,7 +41,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import httpx
 
-from kvtide.benchmarks.overhead import server_process, vllm_server_cmd, wait_ready
+from kvtide.benchmarks.processes import server_process, vllm_server_cmd, wait_ready
 from kvtide.config import KvtideConfig
 
 BARE_POLICY = "bare"

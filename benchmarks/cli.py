@@ -464,10 +464,10 @@ def serving(policy: str, config: KvtideConfig, out: Path, args: argparse.Namespa
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from kvtide.benchmarks.plots import write_plots, write_sweep_plots
-    from kvtide.benchmarks.overhead import stop_servers_on_sigterm
+    from kvtide.benchmarks.processes import stop_servers_on_sigterm
     from kvtide.benchmarks.report import (RequestResult, aggregate_repeats, compare_markdown, spread_markdown,
                                           sweep_markdown)
-    from kvtide.cluster.cli import default_config_path
+    from kvtide.config import default_config_path
 
     policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
     if not policies:

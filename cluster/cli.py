@@ -1,7 +1,9 @@
 """`kvtide` command line: serve, demo-model, config checks.
 
 Subcommands stay thin: they parse flags, load the one config model, and call the
-module that owns the work.
+module that owns the work. Commands of the layers below (plan, dashboards) are imported;
+commands of packages above cluster (`kvtide bench`, from kvtide.benchmarks) are found
+through the `kvtide.commands` entry-point group, so cluster never imports them.
 """
 
 from __future__ import annotations
@@ -10,9 +12,13 @@ import argparse
 import signal
 import sys
 import time
+from importlib.metadata import entry_points
 
-from kvtide.config import ConfigError, KvtideConfig, load_config
+from kvtide.config import ConfigError, KvtideConfig, default_config_path, load_config
 
+# Entry points of this group are `register(subparsers)` functions that add subcommands;
+# kvtide's own pyproject.toml declares `bench` there, for the benchmarks package.
+COMMANDS_GROUP = "kvtide.commands"
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -34,12 +40,6 @@ def _config_from_args(args: argparse.Namespace) -> KvtideConfig:
     if args.port is not None:
         overrides.append(f"http.port={args.port}")
     return load_config(args.config or default_config_path(), overrides)
-
-
-def default_config_path() -> str:
-    from importlib.resources import files
-
-    return str(files("kvtide.cluster") / "configs" / "cpu.yaml")
 
 
 # How often the idle main thread checks whether a stop signal has arrived.
@@ -136,9 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_dashboards(sub)
 
-    from kvtide.benchmarks.cli import register as register_bench
-
-    register_bench(sub)
+    for command in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
+        command.load()(sub)
     return parser
 
 

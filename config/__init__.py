@@ -7,6 +7,7 @@ autoscaler, the CLI and the chart's schema generator can all depend on it.
     model.py        KvtideConfig, the sections without a module of their own, parse/load
     routing.py      RoutingConfig: the router policy and its tunables
     autoscaling.py  AutoscalingSettings, WarmStartSettings: the KV control law's tunables
+    presets.py      the packaged presets (presets/*.yaml) and the default config path
 """
 
 from kvtide.config.autoscaling import AutoscalingSettings, WarmStartSettings
@@ -28,11 +29,12 @@ from kvtide.config.model import (
     load_config,
     parse_config,
 )
+from kvtide.config.presets import default_config_path, preset_names, preset_path
 from kvtide.config.routing import RoutingConfig
 
 __all__ = [
     "DEMO_MODEL", "AdmissionConfig", "AuthConfig", "AutoscalingSettings", "ConfigError", "EngineConfig",
     "HttpConfig", "FrontendConfig", "KvtideConfig", "MetricsConfig", "ReplicasConfig", "ResourcesConfig",
-    "RoutingConfig", "Strict", "WarmStartSettings", "apply_overrides", "config_to_dict", "load_config",
-    "parse_config",
+    "RoutingConfig", "Strict", "WarmStartSettings", "apply_overrides", "config_to_dict", "default_config_path",
+    "load_config", "parse_config", "preset_names", "preset_path",
 ]

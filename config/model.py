@@ -373,6 +373,17 @@ def migrate_renamed_sections(data: dict[str, Any]) -> dict[str, Any]:
     return migrated
 
 
+def _renamed_key(dotted_key: str) -> str:
+    """An override's dotted key with a renamed section's old name replaced (warned)."""
+    section, dot, rest = dotted_key.partition(".")
+    new = RENAMED_SECTIONS.get(section)
+    if new is None:
+        return dotted_key
+    _log.warning("kvtide config: section '%s' is now called '%s'; read as '%s' (rename it in your config)",
+                 section, new, new)
+    return new + dot + rest
+
+
 def parse_config(data: dict[str, Any] | None) -> KvtideConfig:
     """Validate a plain dict (YAML, serveConfigV2 args) into a KvtideConfig."""
     try:
@@ -395,12 +406,12 @@ def _set_dotted(data: dict[str, Any], dotted_key: str, value: Any) -> None:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `key.path=value` overrides; values are parsed as YAML scalars (2048, true, null)."""
-    merged = yaml.safe_load(yaml.safe_dump(data)) or {}
+    merged = migrate_renamed_sections(yaml.safe_load(yaml.safe_dump(data)) or {})
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: write it as section.field=value, e.g. engine.max_model_len=2048")
-        _set_dotted(merged, key.strip(), yaml.safe_load(raw))
+        _set_dotted(merged, _renamed_key(key.strip()), yaml.safe_load(raw))
     return merged
 
 

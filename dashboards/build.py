@@ -363,7 +363,7 @@ def generate() -> list[Path]:
     generated = write_dashboards(GENERATED_DIR)
     copies = [Path(shutil.copyfile(path, CHART_DASHBOARDS_DIR / path.name)) for path in generated]
     written = [*generated, *copies, *alerts.write_rules()]
-    written.append(docs.write_metrics_md())
+    written.append(docs.write_metrics_md(dashboard_specs()))
     return written
 
 

@@ -1,13 +1,20 @@
 """docs/metrics.md, generated from the catalog, the dashboards and the alert rules.
 
     python -m kvtide.dashboards.build     # rewrites it with the other generated artifacts
+
+The dashboards come in as an argument (build passes its `dashboard_specs()`): build
+imports this module, so this one does not import build back.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 from kvtide.dashboards.catalog import CATALOG, RAY_LABELS, REPO_ROOT, Source
+
+if TYPE_CHECKING:
+    from kvtide.dashboards.panels import DashboardSpec
 
 METRICS_MD = REPO_ROOT / "docs" / "metrics.md"
 
@@ -20,9 +27,9 @@ _SOURCES = {
 }
 
 
-def render_metrics_md() -> str:
+def render_metrics_md(dashboards: Sequence[DashboardSpec]) -> str:
+    """The whole of docs/metrics.md: the catalog, `dashboards` (kvtide's: build.dashboard_specs()), the alerts."""
     from kvtide.dashboards.alerts import Slo, rules
-    from kvtide.dashboards.build import dashboard_specs
     from kvtide.dashboards.promql import Selectors
 
     out = [
@@ -57,7 +64,7 @@ def render_metrics_md() -> str:
             "`kvtide dashboards push`. Variables: `datasource`, `namespace` (All matches series without the "
             "label, so local clusters show too), `cluster` (Ray's `SessionName`, present locally and on "
             "Kubernetes; a RayService upgrade starts a new one), `model`.", ""]
-    for spec in dashboard_specs():
+    for spec in dashboards:
         out.append(f"- **{spec.title}** (`{spec.uid}`): {spec.description}")
         for row in spec.rows:
             out.append(f"  - {row.title}: " + "; ".join(p.title for p in row.panels))
@@ -73,6 +80,6 @@ def render_metrics_md() -> str:
     return "\n".join(out)
 
 
-def write_metrics_md() -> Path:
-    METRICS_MD.write_text(render_metrics_md())
+def write_metrics_md(dashboards: Sequence[DashboardSpec]) -> Path:
+    METRICS_MD.write_text(render_metrics_md(dashboards))
     return METRICS_MD

@@ -3,15 +3,20 @@
 The one import name kvtide installs. The repository keeps one top-level folder per idea;
 the packaging maps each to a subpackage of `kvtide` (pyproject.toml, [tool.setuptools]):
 
-    config/       -> kvtide.config        the config model (a leaf: imports no other kvtide package)
-    deployments/  -> kvtide.deployments   ingress, engine replica, request router
-    autoscaling/  -> kvtide.autoscaling   KV control law and its Ray Serve adapter
-    dashboards/   -> kvtide.dashboards    metrics catalog, dashboards and alerts as code
-    benchmarks/   -> kvtide.benchmarks    load generator, workloads, comparisons
-    cluster/      -> kvtide.cluster       the top: app builder, CLI, local bootstrap
+    config/       -> kvtide.config        the config model and its presets (presets/*.yaml)
+    autoscaling/  -> kvtide.autoscaling   KV control law, its Ray Serve adapter, warm start, capacity
+    deployments/  -> kvtide.deployments   the Ray Serve deployments, by role: frontend/ (the OpenAI
+                                          API), engine/ (the vLLM replica), routing/ (the policy and
+                                          its Ray adapters), and thin Serve entry points (server.py,
+                                          ingress.py, router_peer.py)
+    dashboards/   -> kvtide.dashboards    metric catalog, dashboards and alerts as code
+    cluster/      -> kvtide.cluster       app builder, CLI, local bootstrap, serve-config
+    benchmarks/   -> kvtide.benchmarks    load generator, workloads, comparisons (drives local clusters)
 
-Layering, bottom to top: config <- deployments, autoscaling <- cluster; dashboards and
-benchmarks sit beside cluster. A unit test pins it.
+Layering, bottom to top: config <- autoscaling <- deployments <- dashboards <- cluster <- benchmarks.
+A package imports only packages below it, and no module imports one that imports it back;
+the CLI finds the `kvtide bench` commands through the `kvtide.commands` entry points rather
+than importing benchmarks. tests/unit/test_packaging.py pins all three.
 """
 
 __version__ = "0.1.0"

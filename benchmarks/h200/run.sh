@@ -68,7 +68,7 @@ gpu_of_pids() {  # "pid gpu_index used_MiB" per compute process
 
 serve_and_snapshot() {  # name, extra --set args...: serve, record which GPU each engine uses, stop
   local name=$1; shift
-  python3 -m kvtide.cluster.cli serve --config "$REPO/cluster/configs/gpu-demo.yaml" --set engine.enforce_eager=true \
+  python3 -m kvtide.cluster.cli serve --config "$REPO/config/presets/gpu-demo.yaml" --set engine.enforce_eager=true \
       --set http.port=8300 --set metrics.port=8390 "$@" > "$W/$name-serve.log" 2>&1 &
   local pid=$!
   for _ in $(seq 1 200); do grep -q "kvtide: ready" "$W/$name-serve.log" && break; kill -0 $pid || break; sleep 2; done
@@ -134,7 +134,7 @@ stop_driver() {  # the driver's session, then what runs in sessions of its own (
 compare() {  # out name, policies, workload, rates, extra args...
   local name=$1 policies=$2 workload=$3 rates=$4; shift 4
   mkdir -p "$RES/$name"
-  python3 -m kvtide.cluster.cli bench compare --config "$REPO/cluster/configs/gpu-demo.yaml" "${FLEET_8B[@]}" \
+  python3 -m kvtide.cluster.cli bench compare --config "$REPO/config/presets/gpu-demo.yaml" "${FLEET_8B[@]}" \
       --policies "$policies" --workload "$workload" --rate "$rates" --duration "${DURATION:-15}" \
       --tokenizer /tmp/models/llama-8b-shape --slo-ttft-s 1.0 --metrics-settle 20 --drain-timeout 20 --no-progress \
       --repeats "${REPEATS:-1}" \
@@ -146,7 +146,7 @@ compare() {  # out name, policies, workload, rates, extra args...
 case "${1:-placement}" in
 start)  # the stages run in a copy: the next device call replaces the checkout under a running script
   shift
-  rm -rf /tmp/drv && mkdir -p /tmp/drv "$RES" && cp -r "$REPO/benchmarks" "$REPO/cluster" /tmp/drv/ && mkdir /tmp/drv/.gpu && cp -r "$REPO/.gpu/extra" "$REPO/.gpu/kvtide" /tmp/drv/.gpu/
+  rm -rf /tmp/drv && mkdir -p /tmp/drv "$RES" && cp -r "$REPO/benchmarks" "$REPO/config" /tmp/drv/ && mkdir /tmp/drv/.gpu && cp -r "$REPO/.gpu/extra" "$REPO/.gpu/kvtide" /tmp/drv/.gpu/
   # The driver records its own pid: under setsid it leads its session and process group, which
   # `poll` stops (setsid forks first when called from a group leader, so $! would be wrong).
   (cd /tmp/drv && setsid nohup bash -c "echo \$\$ > $RES/driver.pid; for s in $*; do echo \"== \$s \$(date +%T)\"; OUT=$RES bash benchmarks/h200/run.sh \$s; done; echo \"== done \$(date +%T)\"" \
@@ -194,7 +194,7 @@ autoscale)  # AUTOSCALE_GPU_SHARE: GPU per replica (0.5 = two per GPU on the x2;
     build_8b; what="Llama-3.1-8B shape"
     model=(--set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape --set engine.max_model_len=8192)
   fi
-  python3 -m kvtide.benchmarks.autoscale --config "$REPO/cluster/configs/gpu-demo.yaml" "${model[@]}" \
+  python3 -m kvtide.benchmarks.autoscale --config "$REPO/config/presets/gpu-demo.yaml" "${model[@]}" \
       --set replicas.num_replicas=null --set replicas.min_replicas="$amin" --set replicas.max_replicas="$amax" \
       --set resources.gpus_per_worker="$share" --set engine.gpu_memory_utilization=null \
       --set engine.kv_cache_memory_bytes="$kv" --set autoscaling.max_step=3 \
@@ -240,7 +240,7 @@ placement)
   ;;
 overhead-demo)
   leftovers overhead-demo
-  CUDA_VISIBLE_DEVICES=0 python3 -m kvtide.benchmarks.overhead --config "$REPO/cluster/configs/gpu-demo.yaml" \
+  CUDA_VISIBLE_DEVICES=0 python3 -m kvtide.benchmarks.overhead --config "$REPO/config/presets/gpu-demo.yaml" \
       --servers "${SERVERS:-kvtide,kvtide-ingress,vllm}" --concurrency "${CONCURRENCY:-1,16,64}" \
       --num-requests "${NUM_REQUESTS:-200}" \
       --duration "${OVERHEAD_DURATION:-60}" --input-len 512 --output-len 128 --hardware "NVIDIA H200 (one GPU), demo model" \
@@ -258,7 +258,7 @@ overhead-8b|overhead-8b-inline|overhead-8b-peer|overhead-8b-peers2)
     overhead-8b-peer) servers=ray-serve-llm; extra=(); conc=${CONCURRENCY:-1,16,64} ;;
     *) servers=${SERVERS:-kvtide,vllm}; extra=(); conc=${CONCURRENCY:-1,16,64} ;;
   esac
-  CUDA_VISIBLE_DEVICES=0 python3 -m kvtide.benchmarks.overhead --config "$REPO/cluster/configs/gpu-demo.yaml" \
+  CUDA_VISIBLE_DEVICES=0 python3 -m kvtide.benchmarks.overhead --config "$REPO/config/presets/gpu-demo.yaml" \
       --set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape \
       --set engine.gpu_memory_utilization=0.85 --set engine.max_num_seqs=128 "${extra[@]}" \
       --servers "$servers" --concurrency "$conc" --num-requests "${NUM_REQUESTS:-200}" \
@@ -268,7 +268,7 @@ overhead-8b|overhead-8b-inline|overhead-8b-peer|overhead-8b-peers2)
   tail -15 "$RES/$1/report.md"
   ;;
 profile)  # where the direct path spends CPU at 64 streams: py-spy on the engine replica and HAProxy's view
-  python3 -m kvtide.cluster.cli serve --config "$REPO/cluster/configs/gpu-demo.yaml" --replicas 1 \
+  python3 -m kvtide.cluster.cli serve --config "$REPO/config/presets/gpu-demo.yaml" --replicas 1 \
       --set http.port=8300 --set metrics.port=8390 > "$W/profile-serve.log" 2>&1 &
   pid=$!
   for _ in $(seq 1 200); do grep -q "kvtide: ready" "$W/profile-serve.log" && break; kill -0 $pid || break; sleep 2; done
@@ -297,7 +297,7 @@ consult-8b)  # the routing peer's consult as it routes more requests (8B shape, 
   # which part of a consult grows (h200-session-2026-12-03b: 2.0 -> 3.5 ms)
   build_8b; leftovers consult-8b
   mkdir -p "$RES/consult-8b"
-  python3 -m kvtide.cluster.cli serve --config "$REPO/cluster/configs/gpu-demo.yaml" --replicas 1 \
+  python3 -m kvtide.cluster.cli serve --config "$REPO/config/presets/gpu-demo.yaml" --replicas 1 \
       --set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape \
       --set engine.gpu_memory_utilization=0.85 --set engine.max_num_seqs=128 \
       --set http.port=8300 --set metrics.port=8390 > "$W/consult-serve.log" 2>&1 &

@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
 
 
-SESSION_CONFIG = load_config(REPO / "cluster/configs/cpu.yaml", [
+SESSION_CONFIG = load_config(REPO / "config/presets/cpu.yaml", [
     f"http.port={HTTP_PORT}", f"metrics.port={METRICS_PORT}",
     # Autoscaling stats every 1 s, so the autoscaling test reacts within its short delays.
     "autoscaling.metrics_push_interval_s=1"])

@@ -51,7 +51,7 @@ def deploy_app(cluster_config, app: str, overrides: list[str]) -> None:
     from kvtide.cluster.app import build_from_config
     from kvtide.config import load_config
 
-    config = load_config(REPO / "cluster/configs/cpu.yaml", [
+    config = load_config(REPO / "config/presets/cpu.yaml", [
         f"http.port={cluster_config.http.port}", f"metrics.port={cluster_config.metrics.port}",
         f"served_model_name={app}", *overrides])
     serve.run(build_from_config(config), name=app, route_prefix=f"/{app}", blocking=False)

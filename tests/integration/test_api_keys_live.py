@@ -25,7 +25,7 @@ def auth_app(cluster, cluster_config, tmp_path_factory):
     key = "sk-kvtide-test-" + secrets.token_hex(16)
     key_file = tmp_path_factory.mktemp("keys") / "api-keys"
     key_file.write_text(f"# test key\n{key}\n")
-    config = load_config(REPO / "cluster/configs/cpu.yaml", [
+    config = load_config(REPO / "config/presets/cpu.yaml", [
         "replicas.num_replicas=1", "frontend.num_replicas=1", f"served_model_name={AUTH_APP}",
         f"http.port={cluster_config.http.port}", f"metrics.port={cluster_config.metrics.port}",
         f"frontend.auth.api_keys_file={key_file}", "frontend.auth.require_keys=true"])

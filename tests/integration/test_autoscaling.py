@@ -26,7 +26,7 @@ def _text(seed: int, num_words: int) -> str:
 
 def test_kv_pressure_scales_up_warm_and_back_down(cluster, cluster_config):
     """Four long requests fill the KV cache → a second replica (queue_length would keep one); it starts warm; idle → one."""
-    config = load_config(REPO / "cluster/configs/cpu.yaml", [
+    config = load_config(REPO / "config/presets/cpu.yaml", [
         f"http.port={cluster_config.http.port}", f"metrics.port={cluster_config.metrics.port}",
         f"served_model_name={MODEL}", "replicas.num_replicas=null", "replicas.min_replicas=1",
         "replicas.max_replicas=2", "engine.max_model_len=2048",

@@ -33,7 +33,7 @@ def _serve(port: int) -> tuple[subprocess.Popen, "queue.Queue[str]"]:
            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(port + 500),
            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(port + 1500)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtide.cluster.cli", "serve", "--config", str(REPO / "cluster/configs/cpu.yaml"),
+        [sys.executable, "-m", "kvtide.cluster.cli", "serve", "--config", str(REPO / "config/presets/cpu.yaml"),
          "--replicas", "1", "--port", str(port), "--set", f"metrics.port={port + 80}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     lines: "queue.Queue[str]" = queue.Queue()

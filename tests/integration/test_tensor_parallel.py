@@ -16,7 +16,7 @@ TP_APP = "kvtide-tp2"
 
 def test_tp2_engine_on_cpu_serves_a_request(cluster, cluster_config):
     """An engine split over two CPU workers (one core each) answers a completion correctly."""
-    config = load_config(REPO / "cluster/configs/cpu.yaml", [
+    config = load_config(REPO / "config/presets/cpu.yaml", [
         "engine.tensor_parallel_size=2", "replicas.num_replicas=1",
         f"http.port={cluster_config.http.port}", f"metrics.port={cluster_config.metrics.port}",
         "served_model_name=kvtide-demo-tp2",

@@ -18,10 +18,9 @@ from kvtide.benchmarks.bare_fleet import (
     server_specs,
 )
 from kvtide.benchmarks.cli import policy_config
-from kvtide.benchmarks.overhead import stop_process_group
+from kvtide.benchmarks.processes import stop_process_group
 from kvtide.benchmarks.report import metrics_delta, merge_server_samples, parse_metrics
-from kvtide.cluster.cli import default_config_path
-from kvtide.config import load_config
+from kvtide.config import default_config_path, load_config
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "bare_vllm"
 
@@ -152,7 +151,7 @@ def test_sigterm_to_a_benchmark_stops_the_servers_it_started(tmp_path):
     """SIGTERM to a benchmark process unwinds its server_process blocks: the server it started is gone."""
     bench = ("import sys\n"
              "from pathlib import Path\n"
-             "from kvtide.benchmarks.overhead import server_process, stop_servers_on_sigterm\n"
+             "from kvtide.benchmarks.processes import server_process, stop_servers_on_sigterm\n"
              "stop_servers_on_sigterm()\n"
              f"with server_process(['sleep', '300'], Path({str(tmp_path / 'server.log')!r}), stop_timeout_s=5):\n"
              "    import psutil\n"

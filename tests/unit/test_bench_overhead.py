@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from kvtide.benchmarks.overhead import level_summary, markdown, paths_markdown, vllm_cli_flags
+from kvtide.benchmarks.overhead import level_summary, markdown, paths_markdown
+from kvtide.benchmarks.processes import vllm_cli_flags
 from kvtide.benchmarks.report import RequestResult
 
 

@@ -20,13 +20,13 @@ def test_defaults_are_valid():
 
 @pytest.mark.parametrize("name", ["cpu.yaml", "gpu-tp2.yaml"])
 def test_example_configs_load(name):
-    """Every example config in cluster/configs validates."""
-    assert isinstance(load_config(REPO / "cluster/configs" / name), KvtideConfig)
+    """Every config preset in config/presets validates."""
+    assert isinstance(load_config(REPO / "config/presets" / name), KvtideConfig)
 
 
 def test_overrides_parse_yaml_scalars():
     """--set values are YAML scalars: ints, bools and null arrive typed."""
-    config = load_config(REPO / "cluster/configs/cpu.yaml",
+    config = load_config(REPO / "config/presets/cpu.yaml",
                          ["engine.max_model_len=2048", "engine.enforce_eager=false", "engine.max_num_batched_tokens=null"])
     assert config.engine.max_model_len == 2048
     assert config.engine.enforce_eager is False and config.engine.max_num_batched_tokens is None
@@ -118,3 +118,12 @@ def test_old_and_new_section_together_is_an_error_naming_both():
     """Both `ingress` and `frontend` set: refused, since which one was meant cannot be known."""
     with pytest.raises(ConfigError, match="both 'ingress' and 'frontend'"):
         parse_config({"ingress": {"max_messages": 7}, "frontend": {"max_messages": 8}})
+
+
+def test_old_override_key_applies_over_a_file_written_with_either_name(tmp_path):
+    """`--set ingress.x=…` on a config whose file says `frontend:` (or `ingress:`) lands in frontend, no conflict."""
+    for section in ("frontend", "ingress"):
+        path = tmp_path / f"{section}.yaml"
+        path.write_text(f"{section}:\n  max_messages: 3\n  max_body_bytes: 4096\n")
+        config = load_config(path, ["ingress.max_messages=9"])
+        assert (config.frontend.max_messages, config.frontend.max_body_bytes) == (9, 4096)
