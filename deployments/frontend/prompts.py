@@ -25,12 +25,8 @@ large would crowd HAProxy's buffer).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import re
-import sys
-from array import array
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -39,7 +35,7 @@ from pydantic import ValidationError
 from kvtide.config import KvtideConfig
 from kvtide.deployments.frontend.admission import max_prompt_chars
 from kvtide.deployments.frontend.protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_error_to_api
-from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, encode_block_hashes
+from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, decode_uints, encode_block_hashes, encode_uints
 from kvtide.deployments.frontend.token_encoder import TokenEncoder
 
 # Completions default to 16 output tokens, as OpenAI's legacy endpoint does.
@@ -49,32 +45,15 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 ROUTED_TOKENS_HEADER = "x-serve-router-kvtide-prompt-tokens"
 SESSION_HEADER = "x-session-id"  # Ray Serve's default RAY_SERVE_SESSION_ID_HEADER_KEY
 MAX_ROUTED_TOKENS = 16384  # 87 KB of base64: well inside HAProxy's request buffer
-_BIG_ENDIAN_HOST = sys.byteorder == "big"
-
-
 def encode_token_ids(token_ids: list[int]) -> str:
     """Token ids as a header value: base64 of little-endian uint32."""
-    packed = array("I", token_ids)
-    if _BIG_ENDIAN_HOST:
-        packed.byteswap()
-    return base64.b64encode(packed.tobytes()).decode("ascii")
+    return encode_uints(token_ids, "I")
 
 
 def decode_token_ids(value: str | None) -> list[int] | None:
     """The ids of an `encode_token_ids` value; None when absent or malformed (then tokenize)."""
-    if not value:
-        return None
-    try:
-        raw = base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        return None
-    if len(raw) % 4:
-        return None
-    packed = array("I")
-    packed.frombytes(raw)
-    if _BIG_ENDIAN_HOST:
-        packed.byteswap()
-    return packed.tolist()
+    packed = decode_uints(value, "I")
+    return packed.tolist() if packed is not None else None
 
 
 @dataclass(frozen=True)

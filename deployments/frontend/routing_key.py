@@ -42,12 +42,34 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: s
     return tuple(block_hashes(token_ids, block_size, parent=salt_root(cache_salt)))
 
 
-def encode_block_hashes(hashes: Sequence[BlockHash]) -> str:
-    """Block hashes as a header value: base64 of little-endian uint64, in prompt order."""
-    packed = array(_HASH_TYPECODE, hashes)
-    if _BIG_ENDIAN_HOST:
+def encode_uints(values: Sequence[int], typecode: str) -> str:
+    """Unsigned ints as a header value: base64 of their little-endian `array(typecode)` bytes."""
+    packed = array(typecode, values)
+    if _BIG_ENDIAN_HOST:  # the header is little-endian on every host
         packed.byteswap()
     return base64.b64encode(packed.tobytes()).decode("ascii")
+
+
+def decode_uints(value: str | None, typecode: str) -> array | None:
+    """The ints of an `encode_uints` value; None when absent or malformed."""
+    if not value:
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    packed = array(typecode)
+    if len(raw) % packed.itemsize:
+        return None
+    packed.frombytes(raw)
+    if _BIG_ENDIAN_HOST:
+        packed.byteswap()
+    return packed
+
+
+def encode_block_hashes(hashes: Sequence[BlockHash]) -> str:
+    """Block hashes as a header value (uint64 each), in prompt order."""
+    return encode_uints(hashes, _HASH_TYPECODE)
 
 
 def decode_block_hashes(value: str | None, num_prompt_tokens: int, block_size: int) -> tuple[BlockHash, ...] | None:
@@ -56,18 +78,9 @@ def decode_block_hashes(value: str | None, num_prompt_tokens: int, block_size: i
     The count check ties the header to the prompt it came with: a mismatch means the
     replica hashes for itself rather than trusting hashes of some other prompt.
     """
-    if not value:
+    packed = decode_uints(value, _HASH_TYPECODE)
+    if packed is None or len(packed) != num_prompt_tokens // block_size:
         return None
-    try:
-        raw = base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        return None
-    if len(raw) % 8 or len(raw) // 8 != num_prompt_tokens // block_size:
-        return None
-    packed = array(_HASH_TYPECODE)
-    packed.frombytes(raw)
-    if _BIG_ENDIAN_HOST:
-        packed.byteswap()
     return tuple(BlockHash(h) for h in packed)
 
 

@@ -87,6 +87,25 @@ def _app(keys: list[str] | None = None, engine=None, metrics: FakeMetrics | None
     return TestClient(build_openai_app(frontend, ApiKeys(keys or []), ready)), metrics
 
 
+def _recording_client(accepts_router_headers: bool = False) -> tuple[TestClient, list[GenerateRequest]]:
+    """An app over a one-token local engine that records every GenerateRequest it is sent."""
+    seen: list[GenerateRequest] = []
+
+    async def generate(request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        seen.append(request)
+        for delta in _deltas(1):
+            yield delta
+
+    frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
+                              LocalEngineClient(generate, admission_limits(CONFIG)), FakeMetrics(), None)
+    frontend.accepts_router_headers = accepts_router_headers
+
+    async def ready() -> bool:
+        return True
+
+    return TestClient(build_openai_app(frontend, ApiKeys([]), ready)), seen
+
+
 def test_every_v1_route_needs_the_api_key():
     """Each /v1 route of the app (enumerated, not listed by hand) answers 401 without a key, and the set is pinned."""
     client, _ = _app(keys=["sk-1"])
@@ -288,25 +307,11 @@ def test_handle_client_gives_503_after_max_retries_and_429_on_backpressure():
 @pytest.mark.parametrize(("trusted", "expected_prompt_tokens"), [(True, [7, 8, 9]), (False, [1, 97, 98, 99])])
 def test_routed_tokens_header_is_used_only_where_trusted(trusted, expected_prompt_tokens):
     """Direct mode tokenizes once (the routing peer's header); elsewhere a client's copy of the header is ignored."""
-    seen: list[list[int]] = []
-
-    async def generate(request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        seen.append(list(request.prompt_token_ids))
-        for delta in _deltas(1):
-            yield delta
-
-    frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
-                              LocalEngineClient(generate, admission_limits(CONFIG)), FakeMetrics(), None)
-    frontend.accepts_router_headers = trusted
-
-    async def ready() -> bool:
-        return True
-
-    client = TestClient(build_openai_app(frontend, ApiKeys([]), ready))
+    client, seen = _recording_client(trusted)
     resp = client.post("/v1/completions", json={"model": "m", "prompt": "abc", "max_tokens": 1},
                        headers={ROUTED_TOKENS_HEADER: encode_token_ids([7, 8, 9])})
     assert resp.status_code == 200, resp.text
-    assert seen == [expected_prompt_tokens]
+    assert [list(request.prompt_token_ids) for request in seen] == [expected_prompt_tokens]
 
 
 def test_a_salted_request_carries_its_salt_and_salted_hashes_and_is_never_a_hot_prefix():
@@ -351,20 +356,7 @@ def test_a_salted_request_carries_its_salt_and_salted_hashes_and_is_never_a_hot_
 ])
 def test_the_session_key_reaches_the_router(headers, user, expected):
     """Multi-turn affinity: the x-session-id header, else `user`, travels with the request to the router."""
-    seen: list[GenerateRequest] = []
-
-    async def generate(request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        seen.append(request)
-        for delta in _deltas(1):
-            yield delta
-
-    frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
-                              LocalEngineClient(generate, admission_limits(CONFIG)), FakeMetrics(), None)
-
-    async def ready() -> bool:
-        return True
-
-    client = TestClient(build_openai_app(frontend, ApiKeys([]), ready))
+    client, seen = _recording_client()
     body = {"model": "m", "prompt": "abc", "max_tokens": 1, **({"user": user} if user else {})}
     assert client.post("/v1/completions", json=body, headers=headers).status_code == 200
     assert seen[0].session_key == expected
@@ -450,25 +442,11 @@ def test_the_engine_gets_the_routing_peers_block_hashes_instead_of_hashing_again
     without its token ids, or where router headers are not accepted, the hashes header is ignored."""
     from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, encode_block_hashes
 
-    seen: list[GenerateRequest] = []
-
-    async def generate(request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        seen.append(request)
-        for delta in _deltas(1):
-            yield delta
-
-    frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
-                              LocalEngineClient(generate, admission_limits(CONFIG)), FakeMetrics(), None)
-    frontend.accepts_router_headers = accepted
-
-    async def ready() -> bool:
-        return True
-
+    client, seen = _recording_client(accepted)
     routed_ids = list(range(2, 2 + 2 * CONFIG.engine.block_size + 3))  # two full blocks
     headers = {ROUTED_HASHES_HEADER: encode_block_hashes((11, 22))}
     if with_tokens:
         headers[ROUTED_TOKENS_HEADER] = encode_token_ids(routed_ids)
-    client = TestClient(build_openai_app(frontend, ApiKeys([]), ready))
     resp = client.post("/v1/completions", json={"model": "m", "prompt": "abc", "max_tokens": 1}, headers=headers)
     assert resp.status_code == 200, resp.text
     assert seen[0].block_hashes == ((11, 22) if expect_routed else ())
