@@ -28,6 +28,7 @@ import ray
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from ray import serve
+from kvtide.deployments.engine.core_pinning import ENGINE_CORE_TITLE
 from support import deploy_app, engine_actor_names, metric_sum, running_engines, wait_for
 
 
@@ -283,30 +284,46 @@ def _soak_cases(model: str, seed: int, n: int) -> list[tuple[str, dict]]:
     return cases
 
 
+def _is_engine_core(process: psutil.Process) -> bool:
+    """vLLM titles its engine core VLLM::EngineCore: in the name (cut at 15 characters) and the command line."""
+    try:
+        return process.name() == ENGINE_CORE_TITLE[:15] or ENGINE_CORE_TITLE in " ".join(process.cmdline())
+    except psutil.Error:  # gone, or a zombie: not a live engine core
+        return False
+
+
 def _engine_core_processes(app: str) -> list[psutil.Process]:
-    """The vLLM engine-core processes of `app`'s engine replicas (a replica still starting has none yet)."""
+    """The vLLM engine-core processes of `app`'s engine replicas (a replica still starting has none yet).
+
+    Found among all processes and matched to a replica by ancestry, so that one unreadable
+    process (a zombie helper, one exiting) can hide nothing else.
+    """
+    replicas = set(_replica_pids(app).get("Engine", []))
     found = []
-    for pid in _replica_pids(app).get("Engine", []):
-        try:
-            children = psutil.Process(pid).children(recursive=True)
-        except psutil.Error:  # a replica that just went away
+    for process in psutil.process_iter():
+        if not _is_engine_core(process):
             continue
-        for child in children:
-            # One child at a time: a child that cannot be read (a zombie helper, one that just
-            # exited) must not hide its replica's engine core (a fresh-clone run of 2026-12-03
-            # saw one of two live engine cores missed for 300 s).
-            try:
-                if "VLLM::EngineCore" in " ".join(child.cmdline()):
-                    found.append(child)
-            except psutil.Error:
-                continue
+        try:
+            if replicas & {parent.pid for parent in process.parents()}:
+                found.append(process)
+        except psutil.Error:
+            continue
     return found
+
+
+def _vllm_process_table() -> list[tuple]:
+    """(pid, ppid, name, status) of every vLLM process: what a failure message needs to say where one went."""
+    rows = []
+    for process in psutil.process_iter(["pid", "ppid", "name", "status"]):
+        if "VLLM" in (process.info["name"] or ""):
+            rows.append((process.info["pid"], process.info["ppid"], process.info["name"], process.info["status"]))
+    return rows
 
 
 def test_each_engine_cores_spinning_main_thread_is_pinned_to_its_replicas_own_core(cluster):
     """On CPU the main thread of each replica's vLLM engine core runs only on that engine's one core (the two engines' differ); its other threads stay free."""
     # Earlier tests may have replaced a replica: wait until both engines run, each with its engine core.
-    # The state is kept so that a timeout says which half failed (a flake of 2026-12-02 only said False).
+    # The state is kept so that a timeout says which half failed and where the engine cores were.
     seen = {}
 
     def both_engines_with_cores() -> bool:
@@ -318,9 +335,9 @@ def test_each_engine_cores_spinning_main_thread_is_pinned_to_its_replicas_own_co
     try:
         wait_for(both_engines_with_cores, 300, 1.0, "both session engines with their engine cores")
     except AssertionError as exc:
-        raise AssertionError(f"{exc}; last seen: {seen}") from None
+        raise AssertionError(f"{exc}; last seen: {seen}; vLLM processes: {_vllm_process_table()}") from None
     # A thread the main thread starts after the pin inherits it until the replica's next sweep
-    # (deployments/core_pinning, every GAUGE_REFRESH_S): wait for the sweep, not for a fixed time.
+    # (deployments/engine/core_pinning, every GAUGE_REFRESH_S): wait for the sweep, not for a fixed time.
     placement = {}
 
     def main_pinned_and_the_rest_free() -> bool:
