@@ -22,6 +22,40 @@ class SamplingSpec:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks, tests)
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def vllm_kwargs(self) -> dict[str, Any]:
+        """vLLM SamplingParams arguments; an unset field takes the value vLLM's server uses by default."""
+        def value(v: Any, default: Any) -> Any:
+            return default if v is None else v
+
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": value(self.temperature, 1.0),
+            "top_p": value(self.top_p, 1.0),
+            "top_k": value(self.top_k, 0),
+            "min_p": value(self.min_p, 0.0),
+            "presence_penalty": value(self.presence_penalty, 0.0),
+            "frequency_penalty": value(self.frequency_penalty, 0.0),
+            "repetition_penalty": value(self.repetition_penalty, 1.0),
+            "seed": self.seed,
+            "stop": list(self.stop) or None,
+            "stop_token_ids": list(self.stop_token_ids) or None,
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+        }
 
 
 @dataclass(frozen=True)

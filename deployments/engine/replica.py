@@ -203,15 +203,7 @@ class EngineReplica:
         from vllm.sampling_params import RequestOutputKind
 
         spec = request.sampling
-        params = SamplingParams(
-            max_tokens=spec.max_tokens,
-            temperature=1.0 if spec.temperature is None else spec.temperature,
-            top_p=1.0 if spec.top_p is None else spec.top_p,
-            seed=spec.seed,
-            stop=list(spec.stop) or None,
-            ignore_eos=spec.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        params = SamplingParams(**spec.vllm_kwargs(), output_kind=RequestOutputKind.DELTA)
         called_s = time.perf_counter()
         num_output_tokens = 0
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)

@@ -52,7 +52,8 @@ from kvtide.deployments.frontend.prompts import (
     parse_json_body,
     session_key,
 )
-from kvtide.deployments.frontend.protocol import ApiError, Usage, chat_response, completion_response, now_s
+from kvtide.deployments.frontend.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, Usage, chat_response,
+                                                 completion_response, now_s)
 from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, PromptRouting, decode_block_hashes
 from kvtide.deployments.routing.block_hash import BlockHash
 from kvtide.deployments.routing.trust import (
@@ -92,6 +93,17 @@ class _Timing:
     arrived_s: float
     engine_called_s: float = 0.0
     first_token_s: float | None = None
+
+
+def sampling_spec(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingSpec:
+    """The engine's sampling values of a validated request."""
+    return SamplingSpec(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+        stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos, top_k=req.top_k, min_p=req.min_p,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
+        stop_token_ids=tuple(req.stop_token_ids or ()), include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens, spaces_between_special_tokens=req.spaces_between_special_tokens)
 
 
 class OpenAIFrontend:
@@ -201,8 +213,7 @@ class OpenAIFrontend:
             hashes = ()
         gen_req = GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt.token_ids,
-            sampling=SamplingSpec(max_tokens=prompt.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  seed=req.seed, stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos),
+            sampling=sampling_spec(req, prompt.max_tokens),
             block_hashes=hashes, cache_salt=salt, session_key=session_key(prompt, session_header),
             prompt=self.routing.prompt_text(prompt.token_ids) if routes else None)
         tags = {"model": self.model_name, "endpoint": endpoint}

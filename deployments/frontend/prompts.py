@@ -37,6 +37,7 @@ from kvtide.deployments.frontend.admission import max_prompt_chars
 from kvtide.deployments.frontend.protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_error_to_api
 from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, decode_uints, encode_block_hashes, encode_uints
 from kvtide.deployments.frontend.token_encoder import TokenEncoder
+from kvtide.deployments.frontend.unsupported import refuse_unhonoured
 
 # Completions default to 16 output tokens, as OpenAI's legacy endpoint does.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -136,10 +137,13 @@ class PromptBuilder:
         if endpoint == "chat":
             req = self._parse(data, ChatCompletionRequest)
             token_ids = self.chat_tokens(req, routed_tokens)
-            return Prompt(req, token_ids, self._budget(token_ids, req.max_output_tokens, None, "messages"))
-        req = self._parse(data, CompletionRequest)
-        token_ids = self.completion_tokens(req, routed_tokens)
-        return Prompt(req, token_ids, self._budget(token_ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt"))
+            max_tokens = self._budget(token_ids, req.max_output_tokens, None, "messages")
+        else:
+            req = self._parse(data, CompletionRequest)
+            token_ids = self.completion_tokens(req, routed_tokens)
+            max_tokens = self._budget(token_ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+        self._check_min_tokens(req, max_tokens)
+        return Prompt(req, token_ids, max_tokens)
 
     def routed_tokens_header(self, token_ids: list[int], hashes: Sequence[int] = ()) -> dict[str, str]:
         """The routing peer's headers carrying `token_ids` (and their block hashes, if any) to the
@@ -173,6 +177,7 @@ class PromptBuilder:
         if req.model != self.model_name:
             raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
+        refuse_unhonoured(req.model_extra, "chat" if model_cls is ChatCompletionRequest else "completions")
         return req
 
     def _budget(self, prompt_ids: list[int], requested: int | None, default: int | None, prompt_param: str) -> int:
@@ -195,6 +200,12 @@ class PromptBuilder:
                                 f"completion). Reduce the prompt or max_tokens.",
                            param="max_tokens", code="context_length_exceeded")
         return max_tokens
+
+    @staticmethod
+    def _check_min_tokens(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> None:
+        if req.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})",
+                           param="min_tokens", code="invalid_value")
 
     def _check_prompt_chars(self, num_chars: int, param: str) -> None:
         # Tokenizing runs on the event loop: a huge prompt is refused before it can stall it.

@@ -1,8 +1,9 @@
 """The OpenAI wire format kvtide speaks: request schemas, error bodies, response chunks.
 
-Pure data (pydantic + dicts), no Ray, so the ingress stays small and this is unit-tested.
+Pure data (pydantic + dicts), no Ray, so the frontend stays small and this is unit-tested.
 Requests are strict about types and ranges (a bad field is a 400 naming it) but accept
-unknown fields, as OpenAI does, so SDK upgrades that send new optional keys keep working.
+unknown fields, as OpenAI and vLLM do, so SDK upgrades that send new optional keys keep
+working; a field vLLM's server would act on and kvtide does not is refused (unsupported.py).
 Strict means pydantic's strict mode: no coercion, so "stream": "false" or "max_tokens":
 "8" or true is a 400 rather than a guess. Integers sent to the engine are bounded to what
 vLLM and torch accept (a seed beyond int64 would fail inside the engine, as a 5xx).
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -61,6 +62,15 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 class StreamOptions(BaseModel):
     model_config = _REQUEST_MODEL
     include_usage: bool = False
+    # vLLM's extension (usage in every chunk): declared so that asking for it is a 400, not ignored.
+    continuous_usage_stats: bool = False
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _no_continuous_usage(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("continuous usage stats are not supported by this server (kvtide) yet")
+        return value
 
 
 class _SamplingFields(BaseModel):
@@ -88,6 +98,18 @@ class _SamplingFields(BaseModel):
     # stream sends a chunk for every engine step that produced tokens, text or not. Clients that
     # time tokens need it: a token can decode to no text yet (part of a multi-byte character).
     return_token_ids: bool = False
+    # Sampling controls vLLM's server passes to its SamplingParams; bounded as vLLM checks them,
+    # so a bad value is a 400 here rather than an error inside the engine.
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # -1 and 0: no top-k
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     @field_validator("n")
     @classmethod

@@ -152,3 +152,37 @@ def test_a_client_cannot_supply_the_routed_tokens_header(cluster, http):
     forged = http.post("/v1/completions", json=body, headers={ROUTED_TOKENS_HEADER: encode_token_ids([5])})
     assert plain.status_code == forged.status_code == 200, (plain.text, forged.text)
     assert forged.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"] > 1
+
+
+def test_min_tokens_holds_generation_to_its_length_on_the_real_engine(client, cluster):
+    """min_tokens reaches vLLM: with min_tokens = max_tokens the engine cannot stop at EOS, so every token comes."""
+    for _ in range(3):
+        resp = client.completions.create(model=cluster.model_name, prompt="print(", max_tokens=12,
+                                         extra_body={"min_tokens": 12})
+        assert resp.usage.completion_tokens == 12 and resp.choices[0].finish_reason == "length"
+
+
+def test_stop_token_ids_end_generation_at_that_token_on_the_real_engine(cluster, http):
+    """stop_token_ids reaches vLLM: greedy generation stops at the first occurrence of the named token."""
+    body = {"model": cluster.model_name, "prompt": "for i in range(", "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    ids = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    stop_at = ids.index(ids[3])  # the token may occur earlier: generation ends at its first occurrence
+    resp = http.post("/v1/completions", json={**body, "stop_token_ids": [ids[3]]}).json()
+    assert resp["choices"][0]["finish_reason"] == "stop"
+    assert resp["usage"]["completion_tokens"] == stop_at + 1, (ids, resp)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("tools", [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]),
+    ("response_format", {"type": "json_object"}),
+    ("logprobs", True),
+])
+def test_a_field_kvtide_does_not_honour_is_a_400_naming_it_not_a_silent_200(cluster, http, field, value):
+    """Through HAProxy and the routing peer: the replica answers 400 with param naming the field, OpenAI-shaped."""
+    body = {"model": cluster.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            field: value}
+    resp = http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["param"], error["code"], error["type"]) == (field, "unsupported_field", "invalid_request_error")
