@@ -9,7 +9,13 @@ neither side imports the other's heavy dependencies (vLLM stays out of the ingre
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
+
+
+# OpenAI's neutral sampling values (vLLM's server uses the same): what an unset field means
+# when the model's generation_config gives no default.
+_NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+                     "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 @dataclass(frozen=True)
@@ -33,20 +39,19 @@ class SamplingSpec:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
 
-    def vllm_kwargs(self) -> dict[str, Any]:
-        """vLLM SamplingParams arguments; an unset field takes the value vLLM's server uses by default."""
-        def value(v: Any, default: Any) -> Any:
-            return default if v is None else v
+    def vllm_kwargs(self, model_defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """vLLM SamplingParams arguments. A field the request left unset takes, as in vLLM's
+        server, the model's default (`model_defaults`: its generation_config's sampling
+        values, vLLM's `get_diff_sampling_param()`), else OpenAI's neutral default."""
+        defaults = {**_NEUTRAL_SAMPLING, **(model_defaults or {})}
+
+        def value(name: str) -> Any:
+            sent = getattr(self, name)
+            return defaults[name] if sent is None else sent
 
         return {
             "max_tokens": self.max_tokens,
-            "temperature": value(self.temperature, 1.0),
-            "top_p": value(self.top_p, 1.0),
-            "top_k": value(self.top_k, 0),
-            "min_p": value(self.min_p, 0.0),
-            "presence_penalty": value(self.presence_penalty, 0.0),
-            "frequency_penalty": value(self.frequency_penalty, 0.0),
-            "repetition_penalty": value(self.repetition_penalty, 1.0),
+            **{name: value(name) for name in _NEUTRAL_SAMPLING},
             "seed": self.seed,
             "stop": list(self.stop) or None,
             "stop_token_ids": list(self.stop_token_ids) or None,

@@ -116,6 +116,9 @@ class EngineReplica:
             AsyncEngineArgs(**kwargs),
             stat_loggers=[kept_ray_stat_logger(self.prometheus_loggers), load_logger_factory(self.load)])
         engine_s = time.time()
+        # The model's generation_config sampling defaults (temperature, top_k, …), applied to the
+        # fields a request leaves unset, as vLLM's OpenAI server applies them.
+        self.sampling_defaults = self.engine.vllm_config.model_config.get_diff_sampling_param()
         self.core_pin = engine_core_pin(self.config.resources.device)
         if self.core_pin:
             self.core_pin.apply()
@@ -203,7 +206,7 @@ class EngineReplica:
         from vllm.sampling_params import RequestOutputKind
 
         spec = request.sampling
-        params = SamplingParams(**spec.vllm_kwargs(), output_kind=RequestOutputKind.DELTA)
+        params = SamplingParams(**spec.vllm_kwargs(self.sampling_defaults), output_kind=RequestOutputKind.DELTA)
         called_s = time.perf_counter()
         num_output_tokens = 0
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP app: routes, API-key check, OpenAI-shaped errors.
 
     POST /v1/completions, /v1/chat/completions   (stream or not)   API key when keys are set
-    GET  /v1/models                                                  API key when keys are set
+    GET  /v1/models, /v1/models/{id}                                 API key when keys are set
+    POST /tokenize, /detokenize   (vLLM's shapes)                    API key when keys are set
+    GET  /version                 (the serving vLLM's version)        open
     GET  /health  (liveness: the process answers)                    open, for probes
     GET  /ready   (an engine can serve)                              open, for probes
 
@@ -38,7 +40,8 @@ from kvtide.deployments.frontend.engine_client import EngineClient
 from kvtide.deployments.frontend.pipeline import OpenAIFrontend, error_response
 from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.frontend.metrics import FrontendMetrics
-from kvtide.deployments.frontend.prompts import PromptBuilder, load_tokenizer
+from kvtide.deployments.frontend import tokenize_api
+from kvtide.deployments.frontend.prompts import PromptBuilder, load_tokenizer, parse_json_body
 from kvtide.deployments.frontend.protocol import ApiError, error_body, validation_error_to_api
 
 logger = replica_logger("openai_app")
@@ -123,6 +126,10 @@ def build_openai_app(frontend: OpenAIFrontend, api_keys: ApiKeys,
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(validation_error_to_api(list(exc.errors())))
 
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
     @app.exception_handler(_Unauthorized)
     async def _unauthorized(request: Request, exc: _Unauthorized) -> JSONResponse:
         return _unauthorized_response(frontend, get_route_path(request.scope), exc)
@@ -144,7 +151,28 @@ def build_openai_app(frontend: OpenAIFrontend, api_keys: ApiKeys,
     async def models() -> Any:
         return frontend.models()
 
+    @v1.get("/models/{model_id:path}")  # :path: a served name may hold '/' (org/model)
+    async def model(model_id: str) -> Any:
+        return frontend.model(model_id)
+
     app.include_router(v1)
+
+    # vLLM's tokenizer endpoints: behind the key like /v1 (vLLM leaves them open; tokenizing costs CPU).
+    keyed = APIRouter(dependencies=[Depends(require_api_key)])
+
+    @keyed.post("/tokenize")
+    async def tokenize(request: Request) -> Any:
+        return tokenize_api.tokenize(frontend.prompts, parse_json_body(await frontend.prompts.read_body(request)))
+
+    @keyed.post("/detokenize")
+    async def detokenize(request: Request) -> Any:
+        return tokenize_api.detokenize(frontend.prompts, parse_json_body(await frontend.prompts.read_body(request)))
+
+    app.include_router(keyed)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return tokenize_api.version()
 
     @app.get("/health")
     async def health() -> dict[str, str]:

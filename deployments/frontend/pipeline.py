@@ -189,6 +189,13 @@ class OpenAIFrontend:
             "max_model_len": self.config.engine.max_model_len,
         }]}
 
+    def model(self, model_id: str) -> dict[str, Any]:
+        """GET /v1/models/{id}: the served model's entry, or 404 as OpenAI answers an unknown id."""
+        if model_id != self.model_name:
+            raise ApiError(404, f"The model '{model_id}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        return self.models()["data"][0]
+
     # ---- the generation paths --------------------------------------------------------
 
     def _on_rejected(self, reason: str) -> None:

@@ -133,7 +133,7 @@ class PromptBuilder:
         instead of tokenizing again; every other check still runs on them.
         """
         if routed_tokens is not None:
-            self._check_vocabulary(routed_tokens, "prompt")
+            self.check_vocabulary(routed_tokens, "prompt")
         if endpoint == "chat":
             req = self._parse(data, ChatCompletionRequest)
             token_ids = self.chat_tokens(req, routed_tokens)
@@ -213,7 +213,7 @@ class PromptBuilder:
             raise ApiError(400, f"the prompt has {num_chars} characters; the limit is {self.max_prompt_chars} "
                                 "(frontend.max_prompt_chars)", param=param, code="prompt_too_long")
 
-    def _check_vocabulary(self, token_ids: list[int], param: str) -> None:
+    def check_vocabulary(self, token_ids: list[int], param: str) -> None:
         if token_ids and max(token_ids) >= self.vocab_size:
             bad = next(t for t in token_ids if t >= self.vocab_size)
             raise ApiError(400, f"token id {bad} is out of range; the vocabulary has {self.vocab_size} tokens",
@@ -225,21 +225,36 @@ class PromptBuilder:
             if routed_tokens is not None:
                 return routed_tokens
             return self.encode(req.prompt, add_special_tokens=True)
-        self._check_vocabulary(req.prompt, "prompt")
+        self.check_vocabulary(req.prompt, "prompt")
         return list(req.prompt)
 
     def chat_tokens(self, req: ChatCompletionRequest, routed_tokens: list[int] | None = None) -> list[int]:
-        if len(req.messages) > self.max_messages:
-            raise ApiError(400, f"the request has {len(req.messages)} messages; the limit is {self.max_messages} "
-                                "(frontend.max_messages)", param="messages", code="too_many_messages")
         conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if routed_tokens is None:
+            return self.template_tokens(conversation)
+        self._check_conversation(conversation)
+        return routed_tokens
+
+    def _check_conversation(self, conversation: list[dict[str, str]]) -> None:
+        if len(conversation) > self.max_messages:
+            raise ApiError(400, f"the request has {len(conversation)} messages; the limit is {self.max_messages} "
+                                "(frontend.max_messages)", param="messages", code="too_many_messages")
         self._check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
-        if routed_tokens is not None:
-            return routed_tokens
+
+    def template_tokens(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
+                        add_special_tokens: bool = False) -> list[int]:
+        """Chat messages rendered with the model's chat template, then tokenized (limits checked first)."""
+        self._check_conversation(conversation)
         try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # a template may reject a role order; that is the client's input
             raise ApiError(400, f"messages could not be rendered with the chat template: {exc}",
                            param="messages", code="invalid_value") from None
-        # The template already holds BOS; adding special tokens again would double it.
-        return self.encode(text, add_special_tokens=False)
+        # The template already holds BOS: by default no special tokens are added again.
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+    def text_tokens(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A plain prompt's tokens (BOS added by default, as for a completion)."""
+        self._check_prompt_chars(len(text), "prompt")
+        return self.encode(text, add_special_tokens=add_special_tokens)

@@ -52,7 +52,7 @@ def error_body(message: str, err_type: str, *, param: str | None = None, code: s
 
 
 # Known fields are type-strict; unknown ones are accepted and ignored (see the docstring).
-_REQUEST_MODEL = ConfigDict(extra="allow", strict=True)
+REQUEST_MODEL = ConfigDict(extra="allow", strict=True)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Output tokens one request may ask for, whatever the context: keeps arithmetic and
 # vLLM's SamplingParams in range; the context-length check refuses anything too long first.
@@ -60,7 +60,7 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 
 
 class StreamOptions(BaseModel):
-    model_config = _REQUEST_MODEL
+    model_config = REQUEST_MODEL
     include_usage: bool = False
     # vLLM's extension (usage in every chunk): declared so that asking for it is a 400, not ignored.
     continuous_usage_stats: bool = False
@@ -76,7 +76,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = _REQUEST_MODEL
+    model_config = REQUEST_MODEL
 
     model: str = Field(min_length=1)
     stream: bool = False
@@ -156,13 +156,13 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = _REQUEST_MODEL
+    model_config = REQUEST_MODEL
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = _REQUEST_MODEL
+    model_config = REQUEST_MODEL
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None

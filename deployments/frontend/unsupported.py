@@ -14,6 +14,7 @@ vLLM's request models, so a field vLLM adds cannot slip through as a silent 200.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
 from kvtide.deployments.frontend.protocol import ApiError
@@ -77,6 +78,16 @@ NOT_HONOURED: dict[str, dict[str, tuple[Any, ...]]] = {
     },
 }
 
+# vLLM's /tokenize for chat messages (its completion form has no field kvtide lacks).
+NOT_HONOURED["tokenize_chat"] = {
+    "continue_final_message": (False,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "media_io_kwargs": (None,),
+    "mm_processor_kwargs": (None,),
+    "tools": (None, []),
+}
+
 # vLLM fields that change nothing in kvtide's configuration: no reasoning parser and no tool
 # parser is configured, so vLLM itself ignores them there too.
 IGNORED_AS_VLLM_DOES = frozenset({"include_reasoning", "parallel_tool_calls"})
@@ -94,5 +105,5 @@ def refuse_unhonoured(extra: Mapping[str, Any] | None, endpoint: str) -> None:
         noops = table.get(name)
         if noops is not None and not _asks_for_nothing(value, noops):
             raise ApiError(400, f"'{name}' is not supported by this server (kvtide) yet; send the request "
-                                f"without it, or with its default ({noops[0]!r})", param=name,
+                                f"without it, or with its default value ({json.dumps(noops[0])})", param=name,
                            code="unsupported_field")

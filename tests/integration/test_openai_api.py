@@ -186,3 +186,16 @@ def test_a_field_kvtide_does_not_honour_is_a_400_naming_it_not_a_silent_200(clus
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert (error["param"], error["code"], error["type"]) == (field, "unsupported_field", "invalid_request_error")
+
+
+def test_models_retrieve_tokenize_and_version_through_haproxy(client, cluster, http):
+    """models.retrieve names the served model; /tokenize counts what a completion's usage counts; /detokenize
+    returns the prompt; /version names the serving vLLM."""
+    assert client.models.retrieve(cluster.model_name).id == cluster.model_name
+    prompt = "def fibonacci(n):"
+    tokens = http.post("/tokenize", json={"model": cluster.model_name, "prompt": prompt}).json()
+    usage = client.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=1).usage
+    assert tokens["count"] == len(tokens["tokens"]) == usage.prompt_tokens
+    assert http.post("/detokenize", json={"tokens": tokens["tokens"][1:]}).json()["prompt"] == prompt
+    version = http.get("/version")
+    assert version.status_code == 200 and version.json()["version"][0].isdigit()

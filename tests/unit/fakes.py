@@ -31,7 +31,7 @@ class FakeTokenizer:
 
     def apply_chat_template(self, conversation, tokenize: bool, add_generation_prompt: bool) -> str:
         self.calls += 1
-        return "".join(f"<{m['role']}>{m['content']}" for m in conversation) + "<assistant>"
+        return "".join(f"<{m['role']}>{m['content']}" for m in conversation) + ("<assistant>" if add_generation_prompt else "")
 
 
 def snapshots(loads: dict[str, int]) -> list[ReplicaSnapshot]:

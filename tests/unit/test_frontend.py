@@ -107,12 +107,18 @@ def _recording_client(accepts_router_headers: bool = False) -> tuple[TestClient,
 
 
 def test_every_v1_route_needs_the_api_key():
-    """Each /v1 route of the app (enumerated, not listed by hand) answers 401 without a key, and the set is pinned."""
+    """Each /v1 route of the app and the tokenizer endpoints (enumerated, not listed by hand) answer 401 without
+    a key, and the set is pinned; /version, /health and /ready stay open."""
     client, _ = _app(keys=["sk-1"])
-    routes = [(r.path, m) for r in client.app.routes if r.path.startswith("/v1") for m in getattr(r, "methods", ())]
-    assert sorted(routes) == [("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/models", "GET")]
+    keyed = ("/v1", "/tokenize", "/detokenize")
+    routes = [(r.path.replace("{model_id:path}", "m"), m) for r in client.app.routes
+              if r.path.startswith(keyed) for m in getattr(r, "methods", ())]
+    assert sorted(routes) == [("/detokenize", "POST"), ("/tokenize", "POST"), ("/v1/chat/completions", "POST"),
+                              ("/v1/completions", "POST"), ("/v1/models", "GET"), ("/v1/models/m", "GET")]
+    assert {path for path in (r.path for r in client.app.routes)} >= {"/version", "/health", "/ready"}
+    assert client.get("/version").status_code == 200
     for path, method in routes:
-        body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+        body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}], "tokens": [1]}
         resp = client.request(method, path, json=body)
         assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", (path, resp.text)
         ok = client.request(method, path, json=body, headers={"Authorization": "Bearer sk-1"})
@@ -450,3 +456,42 @@ def test_the_engine_gets_the_routing_peers_block_hashes_instead_of_hashing_again
     resp = client.post("/v1/completions", json={"model": "m", "prompt": "abc", "max_tokens": 1}, headers=headers)
     assert resp.status_code == 200, resp.text
     assert seen[0].block_hashes == ((11, 22) if expect_routed else ())
+
+
+def test_models_retrieve_answers_the_served_model_and_404_for_another():
+    """GET /v1/models/{id} (the openai SDK's models.retrieve): the served model's entry; another id is a 404."""
+    client, _ = _app()
+    assert client.get("/v1/models/m").json() == client.get("/v1/models").json()["data"][0]
+    missing = client.get("/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_gives_the_tokens_a_generation_request_gets():
+    """/tokenize (prompt or chat messages) counts the very tokens /v1 generation would use; /detokenize inverts it."""
+    client, _ = _app()
+    prompt = client.post("/tokenize", json={"model": "m", "prompt": "abc"}).json()
+    assert prompt == {"count": 4, "max_model_len": CONFIG.engine.max_model_len, "tokens": [1, 97, 98, 99],
+                      "token_strs": None}
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == PromptBuilder(CONFIG, FakeTokenizer()).build(
+        "chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}).token_ids
+    bare = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                          "add_generation_prompt": False}).json()
+    assert bare["count"] < chat["count"]
+    assert client.post("/detokenize", json={"tokens": [97, 98, 99]}).json() == {"prompt": "abc"}
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), [
+    ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"}, 400, "chat_template"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("/detokenize", [1, 2], 400, None),
+])
+def test_tokenizer_endpoints_refuse_bad_input_naming_the_field(path, body, status, param):
+    """Bad input to /tokenize and /detokenize is an OpenAI-shaped 4xx naming the field, never a 500."""
+    client, _ = _app()
+    resp = client.post(path, json=body)
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["param"] == param

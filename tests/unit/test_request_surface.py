@@ -131,3 +131,11 @@ def test_unset_sampling_fields_take_vllms_server_defaults():
         "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
         "frequency_penalty": 0.0, "repetition_penalty": 1.0}
     assert SamplingParams(**kwargs).max_tokens == 4
+
+
+def test_the_models_generation_config_defaults_fill_only_unset_fields():
+    """As vLLM's server: the model's sampling defaults apply where the request is silent; a sent value wins."""
+    model_defaults = {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.1, "max_tokens": 99}
+    kwargs = SamplingSpec(max_tokens=4, temperature=0.2).vllm_kwargs(model_defaults)
+    assert (kwargs["temperature"], kwargs["top_k"], kwargs["repetition_penalty"]) == (0.2, 20, 1.1)
+    assert kwargs["max_tokens"] == 4 and kwargs["top_p"] == 1.0  # the frontend's budget; neutral where no default
