@@ -196,6 +196,7 @@ def test_models_retrieve_tokenize_and_version_through_haproxy(client, cluster, h
     tokens = http.post("/tokenize", json={"model": cluster.model_name, "prompt": prompt}).json()
     usage = client.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=1).usage
     assert tokens["count"] == len(tokens["tokens"]) == usage.prompt_tokens
-    assert http.post("/detokenize", json={"tokens": tokens["tokens"][1:]}).json()["prompt"] == prompt
+    # (a BOS, where the tokenizer adds one, decodes to its own text in front)
+    assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"].endswith(prompt)
     version = http.get("/version")
     assert version.status_code == 200 and version.json()["version"][0].isdigit()
