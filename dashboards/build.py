@@ -21,7 +21,7 @@ Template variables (the same on every dashboard):
                 exist only under the PodMonitor). A RayService upgrade starts a new Ray
                 cluster and so a new SessionName; "All" (the default) keeps history across
                 upgrades, picking one isolates a single cluster's lifetime.
-    model       the served model name (`model` on ingress series, `model_name` on vLLM's;
+    model       the served model name (`model` on frontend series, `model_name` on vLLM's;
                 the catalog says which label each family uses).
     replica     (engine dashboard) vLLM's `ReplicaId`, the Ray Serve replica id.
 
@@ -72,7 +72,7 @@ def _quantiles(sel: Selectors, name: str, by: str = "") -> tuple[Query, ...]:
 
 
 def _share(sel: Selectors, status_regex: str) -> str:
-    """Share of ingress requests whose status matches; 0 (not "No data") while none did."""
+    """Share of frontend requests whose status matches; 0 (not "No data") while none did."""
     total = rate_sum(sel, "ray_kvtide_requests_total", W)
     part = rate_sum(sel, "ray_kvtide_requests_total", W, status=status_regex)
     return f"({part} or {total} * 0) / {total}"
@@ -118,7 +118,7 @@ def _replicas_panel() -> PanelSpec:
 
 def overview() -> DashboardSpec:
     requests = "ray_kvtide_requests_total"
-    slo = RowSpec("Service level (measured at the ingress)", (
+    slo = RowSpec("Service level (measured at the frontend)", (
         PanelSpec("Requests / s", (Query(rate_sum(S, requests, W)),), unit="reqps", kind="stat", width=6, height=4),
         PanelSpec("Output tokens / s", (Query(rate_sum(S, "ray_kvtide_output_tokens_total", W)),),
                   unit="short", kind="stat", width=6, height=4),
@@ -126,11 +126,11 @@ def overview() -> DashboardSpec:
         PanelSpec("TTFT p99", (Query(quantile(0.99, S, "ray_kvtide_time_to_first_token_seconds", "", W)),),
                   unit="s", kind="stat", width=6, height=4),
         PanelSpec("Time to first token", _quantiles(S, "ray_kvtide_time_to_first_token_seconds"), unit="s", width=8,
-                  description="Arrival at the ingress to the first output token.", preview=True),
+                  description="Arrival at the frontend to the first output token.", preview=True),
         PanelSpec("Inter-token latency", _quantiles(S, "ray_kvtide_inter_token_latency_seconds"), unit="s", width=8,
                   description="Gap between output tokens of streamed requests, per token.", preview=True),
         PanelSpec("End-to-end latency", _quantiles(S, "ray_kvtide_e2e_latency_seconds"), unit="s", width=8,
-                  description="Arrival at the ingress to the last byte.", preview=True),
+                  description="Arrival at the frontend to the last byte.", preview=True),
         PanelSpec("TTFT by phase (p50)",
                   (Query(quantile(0.5, S, "ray_kvtide_ttft_phase_seconds", "phase", W), "{{phase}}"),),
                   unit="s", width=24, preview=True,

@@ -95,9 +95,9 @@ PREDICTED_HIT_CHECKED = "routing.policy prefix_aware and one finished request wi
 DIGEST_HELD = "routing.policy prefix_aware with engine prefix caching on (engines report cache digests)"
 
 CATALOG: tuple[Metric, ...] = (
-    # --- ingress (deployments/frontend/metrics.py) ---------------------------------------
+    # --- frontend (deployments/frontend/metrics.py) --------------------------------------
     Metric("ray_kvtide_time_to_first_token_seconds", _H, _I, _ING, "s",
-           "Arrival at the ingress to the first output token (buckets 5 ms .. 60 s).", "model"),
+           "Arrival at the frontend to the first output token (buckets 5 ms .. 60 s).", "model"),
     Metric("ray_kvtide_inter_token_latency_seconds", _H, _I, _ING, "s",
            "Time between output tokens of a streamed request, per token; under load a random sample of at most "
            "200 tokens a second per replica (quantiles hold, `_count` is not a token count).", "model"),
@@ -105,7 +105,7 @@ CATALOG: tuple[Metric, ...] = (
            "Time to first token by phase: frontend (arrival to the engine call), transport (routing, Ray hops, "
            "waiting for a replica), engine (the engine's own queue + prefill).", "model"),
     Metric("ray_kvtide_e2e_latency_seconds", _H, _I, _ING, "s",
-           "Arrival at the ingress to the last byte of the response.", "model"),
+           "Arrival at the frontend to the last byte of the response.", "model"),
     Metric("ray_kvtide_requests_total", _C, _I, (*_ING, "status"), "requests",
            "Finished requests by HTTP status (499: client went away; 503 mid-stream engine failure).", "model"),
     Metric("ray_kvtide_prompt_tokens_total", _C, _I, _ING, "tokens", "Prompt tokens admitted.", "model"),
@@ -137,7 +137,7 @@ CATALOG: tuple[Metric, ...] = (
            "Seconds the replica's start-up spent per phase: process (actor process start to constructor), "
            "import (vLLM in the replica), engine (engine-core spawn, model load, KV cache, CUDA graphs), "
            "warm_start (hot-prefix prefill).", "model", needs="a replica that finished starting"),
-    # --- router (deployments/routing/ray_router.py; in each ingress replica's process) ---------------------
+    # --- router (deployments/routing/ray_router.py; in the routing peer's or each Ingress replica's process) --
     Metric("ray_kvtide_router_decisions_total", _C, _R, ("policy", "outcome", "route"), "decisions",
            "Routing decisions by policy, outcome (cache_hit, load_fallback, no_match) and route (session: the "
            "replica of the session's last turn; replicated: a hot prefix group spread over k >= 2 replicas; "

@@ -1,6 +1,6 @@
 """Engine replica: one vLLM AsyncLLM (v1) inside a Ray Serve replica.
 
-The replica receives token ids (the ingress tokenized them), streams `GenerateDelta`s
+The replica receives token ids (its frontend or the routing peer tokenized them), streams `GenerateDelta`s
 back, and exports vLLM's engine metrics through Ray's metrics agent (vLLM's Ray stat
 logger) so one Prometheus scrape of the Ray metrics port sees them.
 
@@ -38,7 +38,7 @@ logger = replica_logger("engine")
 
 # How often the replica re-records vLLM's gauges (Ray drops a series not set for ~20 s).
 GAUGE_REFRESH_S = 5.0
-# How long a new replica waits for the ingress's hot-prefix list before starting cold.
+# How long a new replica waits for the routers' hot-prefix lists before starting cold.
 WARM_START_LOOKUP_TIMEOUT_S = 5.0
 # Step payloads vLLM's KV-event publisher keeps for replays (kvtide asks for none).
 KV_EVENTS_REPLAY_STEPS = 1
@@ -251,7 +251,7 @@ class EngineReplica:
                                               self.config.engine.block_size)
 
     async def ready(self) -> bool:
-        """Cheap call the ingress uses for /ready: answered only by a running replica."""
+        """Cheap call a frontend uses for /ready: answered only by a running replica."""
         return not self.engine.errored
 
     def record_routing_stats(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Admission control at the ingress: say "slow down" (429) instead of queueing forever.
+"""Admission control at the frontend: say "slow down" (429) instead of queueing forever.
 
 A request passes three bounds on its way to a token; past any of them it is refused at
 once with an answer the client can act on, and nothing waits without limit:
@@ -29,7 +29,7 @@ once with an answer the client can act on, and nothing waits without limit:
 Health, readiness and model listing never pass the gate: they stay answerable at saturation.
 Serve's own per-replica cap on the Ingress deployment is derived from the gate (gate +
 `UNGATED_CALLS_HEADROOM`), so Serve never queues what the gate should refuse.
-Pure logic (no Ray): the ingress adapts it; unit-tested with plain numbers.
+Pure logic (no Ray): the frontend adapts it; unit-tested with plain numbers.
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ from kvtide.config import KvtideConfig
 
 @dataclass(frozen=True)
 class AdmissionLimits:
-    """The numbers one ingress replica enforces, derived once from the config.
+    """The numbers one frontend (an engine replica in direct mode, an Ingress replica) enforces, derived once from the config.
 
     Why a boundary type: the same derivation sizes the ingress gate and the engine
     deployment's handle queue (kvtide.cluster.app), and both must agree.
     """
 
-    max_ongoing_requests: int  # the gate, per ingress replica
+    max_ongoing_requests: int  # the gate, per frontend
     # Serve's max_ongoing_requests on the Ingress deployment: the gate plus room for the
     # calls that bypass it (health, readiness, models, hot-prefix lookups). Below the gate,
     # Serve would queue requests in its proxy where the gate cannot answer 429.
@@ -96,7 +96,7 @@ def admission_limits(config: KvtideConfig) -> AdmissionLimits:
 def max_prompt_chars(config: KvtideConfig) -> int:
     """Characters a prompt may have before it is tokenized.
 
-    Tokenizing runs on the ingress's event loop, so a multi-megabyte prompt would stall
+    Tokenizing runs on the frontend's event loop, so a multi-megabyte prompt would stall
     every request of that replica. No tokenizer packs 16 characters into every token of a
     real prompt, so 16 × max_model_len only refuses prompts that could never fit anyway.
     """
@@ -109,7 +109,7 @@ class AdmissionGate:
 
     Not a semaphore on purpose: a full gate refuses at once (429) instead of parking the
     caller, so an overloaded replica's memory and latency stay bounded. Single-threaded
-    (one asyncio loop per ingress replica), so no lock is needed.
+    (one asyncio loop per frontend), so no lock is needed.
     """
 
     def __init__(self, limit: int):

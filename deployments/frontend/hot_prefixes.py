@@ -1,7 +1,7 @@
-"""The fleet's hottest shared prompt prefixes, as the ingress sees them (for cache-warm scale-up).
+"""The fleet's hottest shared prompt prefixes, as a router sees them (for cache-warm scale-up).
 
-Every request passes through an ingress, already tokenized and block-hashed, so the
-ingress can tell which prefixes many requests share. A new engine replica asks for
+Every request passes through a router (the routing peer, or an Ingress replica), already
+tokenized and block-hashed, so it can tell which prefixes many requests share. A new engine replica asks for
 them before it takes traffic and prefills them (autoscaling.warm_start plans which),
 so a scale-up under a hot system prompt does not start with a burst of cold prefills.
 

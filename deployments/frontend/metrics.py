@@ -29,12 +29,12 @@ PREDICTION_ERROR_BUCKETS_TOKENS = [1, 16, 32, 64, 128, 256, 512, 1024, 2048, 409
 
 
 class FrontendMetrics:
-    """The ingress's own series; one instance per ingress replica."""
+    """The frontend's own series; one instance per frontend (engine replica in direct mode, Ingress replica)."""
 
     def __init__(self) -> None:
         tags = ("model", "endpoint")
         self.ttft_s = metrics.Histogram(
-            "kvtide_time_to_first_token_seconds", "Arrival at the ingress to the first output token.",
+            "kvtide_time_to_first_token_seconds", "Arrival at the frontend to the first output token.",
             boundaries=LATENCY_BUCKETS_S, tag_keys=tags)
         self.itl_s = metrics.Histogram(
             "kvtide_inter_token_latency_seconds", "Time between output tokens of a streamed request "
@@ -42,7 +42,7 @@ class FrontendMetrics:
             boundaries=ITL_BUCKETS_S, tag_keys=tags)
         self.itl_sampler = RateCappedSampler()  # per token: see kvtide.deployments.metric_sampling
         self.e2e_s = metrics.Histogram(
-            "kvtide_e2e_latency_seconds", "Arrival at the ingress to the last byte of the response.",
+            "kvtide_e2e_latency_seconds", "Arrival at the frontend to the last byte of the response.",
             boundaries=LATENCY_BUCKETS_S, tag_keys=tags)
         self.requests = metrics.Counter(
             "kvtide_requests", "Finished requests by HTTP status.", tag_keys=("model", "endpoint", "status"))
