@@ -37,6 +37,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from kvtide.config.autoscaling import AutoscalingSettings
 from kvtide.config.base import Strict
 from kvtide.config.routing import RoutingConfig
+from kvtide.config.vllm_args import engine_arg_names
 
 # Refused connections after which HAProxy marks a replica down (Ray Serve's
 # `observe layer4 error-limit 3`); see KvtideConfig.ray_process_env.
@@ -46,6 +47,15 @@ HAPROXY_RETRY_ON = "conn-failure empty-response junk-response 503"
 
 # The demo model's name in configs; resolved to its local cache dir by kvtide.deployments.engine.demo_model.
 DEMO_MODEL = "demo"
+
+# Engine arguments kvtide derives itself, with where from: engine.extra_args may not set them.
+KVTIDE_SETS_ENGINE_ARGS = {
+    "model": "from `model`",
+    "served_model_name": "from `served_model_name`",
+    "disable_log_stats": "stats feed the router and the autoscaler",
+    "distributed_executor_backend": "from resources.device and tensor_parallel_size",
+    "kv_events_config": "the router's cache view comes from the engine's KV events",
+}
 
 # Block sizes vLLM's paged KV cache accepts (powers of two from 1 to 256 on CPU and GPU).
 _VALID_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
@@ -72,6 +82,25 @@ class EngineConfig(Strict):
     )
     enforce_eager: bool = Field(False, description="Skip graph capture/compilation (faster start, slower steps).")
     seed: int = Field(0, ge=0, description="Sampling seed of the engine.")
+    extra_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other vLLM engine argument, by its EngineArgs name (e.g. kv_cache_dtype: fp8, quantization, "
+                    "max_logprobs), passed to the engine as given; names are checked against the installed vLLM.")
+
+    @model_validator(mode="after")
+    def _check_extra_args(self) -> "EngineConfig":
+        for name in self.extra_args:
+            if name in type(self).model_fields:
+                raise ValueError(f"engine.extra_args.{name}: kvtide exposes it; set engine.{name} instead")
+            if name in KVTIDE_SETS_ENGINE_ARGS:
+                raise ValueError(f"engine.extra_args.{name}: kvtide sets this engine argument itself "
+                                 f"({KVTIDE_SETS_ENGINE_ARGS[name]}); remove it")
+            known = engine_arg_names()
+            if known is not None and name not in known:
+                close = difflib.get_close_matches(name, sorted(known), n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise ValueError(f"engine.extra_args.{name}: not an engine argument of the installed vLLM{hint}")
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

@@ -200,3 +200,33 @@ def test_models_retrieve_tokenize_and_version_through_haproxy(client, cluster, h
     assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"].endswith(prompt)
     version = http.get("/version")
     assert version.status_code == 200 and version.json()["version"][0].isdigit()
+
+
+DEFAULTS_APP = "kvtide-defaults"
+
+
+@pytest.fixture(scope="module")
+def defaults_app(cluster, cluster_config):
+    """A one-engine app whose model default is greedy sampling, set through engine.extra_args."""
+    from ray import serve
+    from support import deploy_app
+
+    deploy_app(cluster_config, DEFAULTS_APP, [
+        "replicas.num_replicas=1", "engine.extra_args.override_generation_config={temperature: 0.0}"])
+    try:
+        yield cluster.base_url + f"/{DEFAULTS_APP}"
+    finally:
+        serve.delete(DEFAULTS_APP)
+
+
+def test_extra_engine_args_and_the_models_sampling_defaults_reach_the_real_engine(defaults_app):
+    """engine.extra_args reaches vLLM (override_generation_config), and its sampling default applies where a
+    request sets no temperature: any seed then gives the greedy text."""
+    import httpx
+
+    body = {"model": DEFAULTS_APP, "prompt": "while True:", "max_tokens": 10, "ignore_eos": True}
+    with httpx.Client(base_url=defaults_app, timeout=120) as http:
+        greedy = http.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+        unset = [http.post("/v1/completions", json={**body, "seed": seed}).json()["choices"][0]["text"]
+                 for seed in (1, 2)]
+    assert unset == [greedy, greedy]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,36 @@ def test_old_override_key_applies_over_a_file_written_with_either_name(tmp_path)
         path.write_text(f"{section}:\n  max_messages: 3\n  max_body_bytes: 4096\n")
         config = load_config(path, ["ingress.max_messages=9"])
         assert (config.frontend.max_messages, config.frontend.max_body_bytes) == (9, 4096)
+
+
+def test_extra_engine_args_reach_the_engine_kwargs():
+    """engine.extra_args passes any vLLM engine argument through to AsyncEngineArgs as given."""
+    from kvtide.deployments.engine.placement import engine_kwargs
+
+    config = parse_config({"engine": {"extra_args": {"kv_cache_dtype": "fp8", "max_logprobs": 5}}})
+    kwargs = engine_kwargs(config, "/m")
+    assert (kwargs["kv_cache_dtype"], kwargs["max_logprobs"]) == ("fp8", 5)
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    ({"kv_cache_dtyp": "fp8"}, "engine.extra_args.kv_cache_dtyp: not an engine argument of the installed vLLM; "
+                               "did you mean 'kv_cache_dtype'?"),
+    ({"max_model_len": 8}, "engine.extra_args.max_model_len: kvtide exposes it; set engine.max_model_len instead"),
+    ({"kv_events_config": {}}, "engine.extra_args.kv_events_config: kvtide sets this engine argument itself"),
+])
+def test_a_bad_extra_engine_arg_fails_when_the_config_loads_naming_the_fix(extra, needle):
+    """A misspelt, exposed or kvtide-owned name is refused at load, in one line naming the fix."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        parse_config({"engine": {"extra_args": extra}})
+
+
+def test_every_extra_arg_name_is_a_real_engine_arg_of_the_installed_vllm():
+    """The names read from vLLM's source are exactly AsyncEngineArgs' dataclass fields (public ones)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from kvtide.config.vllm_args import engine_arg_names
+
+    public = {f.name for f in dataclasses.fields(AsyncEngineArgs) if not f.name.startswith("_")}
+    assert engine_arg_names() == public
