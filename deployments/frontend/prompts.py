@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvtide.config import KvtideConfig
 from kvtide.deployments.frontend.admission import max_prompt_chars
@@ -135,11 +135,11 @@ class PromptBuilder:
         if routed_tokens is not None:
             self.check_vocabulary(routed_tokens, "prompt")
         if endpoint == "chat":
-            req = self._parse(data, ChatCompletionRequest)
+            req = self.parse(data, ChatCompletionRequest, "chat")
             token_ids = self.chat_tokens(req, routed_tokens)
             max_tokens = self._budget(token_ids, req.max_output_tokens, None, "messages")
         else:
-            req = self._parse(data, CompletionRequest)
+            req = self.parse(data, CompletionRequest, "completions")
             token_ids = self.completion_tokens(req, routed_tokens)
             max_tokens = self._budget(token_ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
         self._check_min_tokens(req, max_tokens)
@@ -167,17 +167,19 @@ class PromptBuilder:
         except ApiError:
             return None
 
-    def _parse(self, data: Any, model_cls: type) -> Any:
+    def parse(self, data: Any, model_cls: type[BaseModel], endpoint: str) -> Any:
+        """A parsed body validated as `model_cls`: 400 naming the bad or unhonoured field, 404 for another
+        model (a request model whose `model` is optional may leave it out)."""
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object", code="invalid_value")
         try:
             req = model_cls.model_validate(data)
         except ValidationError as exc:
             raise validation_error_to_api(exc.errors()) from None
-        if req.model != self.model_name:
+        if req.model is not None and req.model != self.model_name:
             raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
-        refuse_unhonoured(req.model_extra, "chat" if model_cls is ChatCompletionRequest else "completions")
+        refuse_unhonoured(req.model_extra, endpoint)
         return req
 
     def _budget(self, prompt_ids: list[int], requested: int | None, default: int | None, prompt_param: str) -> int:

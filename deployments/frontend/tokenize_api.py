@@ -10,11 +10,10 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from kvtide.deployments.frontend.prompts import PromptBuilder
-from kvtide.deployments.frontend.protocol import REQUEST_MODEL, ApiError, ChatMessage, validation_error_to_api
-from kvtide.deployments.frontend.unsupported import refuse_unhonoured
+from kvtide.deployments.frontend.protocol import REQUEST_MODEL, ChatMessage
 
 
 class TokenizeCompletion(BaseModel):
@@ -41,29 +40,15 @@ class Detokenize(BaseModel):
     tokens: list[Annotated[int, Field(ge=0, le=2**63 - 1)]]
 
 
-def _parse(data: Any, model_cls: type[BaseModel], prompts: PromptBuilder) -> Any:
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object", code="invalid_value")
-    try:
-        req = model_cls.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error_to_api(exc.errors()) from None
-    if req.model is not None and req.model != prompts.model_name:
-        raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{prompts.model_name}'",
-                       param="model", code="model_not_found")
-    return req
-
-
 def tokenize(prompts: PromptBuilder, data: Any) -> dict[str, Any]:
     """POST /tokenize: a prompt (or chat messages, templated) → its token ids, as vLLM answers."""
     if isinstance(data, dict) and "messages" in data:
-        chat = _parse(data, TokenizeChat, prompts)
-        refuse_unhonoured(chat.model_extra, "tokenize_chat")
+        chat = prompts.parse(data, TokenizeChat, "tokenize_chat")
         conversation = [{"role": m.role, "content": m.text()} for m in chat.messages]
         tokens = prompts.template_tokens(conversation, chat.add_generation_prompt, chat.add_special_tokens)
         want_strs = chat.return_token_strs
     else:
-        completion = _parse(data, TokenizeCompletion, prompts)
+        completion = prompts.parse(data, TokenizeCompletion, "tokenize")
         tokens = prompts.text_tokens(completion.prompt, completion.add_special_tokens)
         want_strs = completion.return_token_strs
     strs = prompts.tokenizer.convert_ids_to_tokens(tokens) if want_strs else None
@@ -72,7 +57,7 @@ def tokenize(prompts: PromptBuilder, data: Any) -> dict[str, Any]:
 
 def detokenize(prompts: PromptBuilder, data: Any) -> dict[str, Any]:
     """POST /detokenize: token ids → text, as vLLM answers (ids outside the vocabulary are a 400)."""
-    req = _parse(data, Detokenize, prompts)
+    req = prompts.parse(data, Detokenize, "detokenize")
     prompts.check_vocabulary(req.tokens, "tokens")
     return {"prompt": prompts.tokenizer.decode(req.tokens)}
 

@@ -78,7 +78,8 @@ NOT_HONOURED: dict[str, dict[str, tuple[Any, ...]]] = {
     },
 }
 
-# vLLM's /tokenize for chat messages (its completion form has no field kvtide lacks).
+# vLLM's /tokenize and /detokenize (only the chat form has fields kvtide lacks).
+NOT_HONOURED["tokenize"] = NOT_HONOURED["detokenize"] = {}
 NOT_HONOURED["tokenize_chat"] = {
     "continue_final_message": (False,),
     "chat_template": (None,),

@@ -139,3 +139,19 @@ def test_the_models_generation_config_defaults_fill_only_unset_fields():
     kwargs = SamplingSpec(max_tokens=4, temperature=0.2).vllm_kwargs(model_defaults)
     assert (kwargs["temperature"], kwargs["top_k"], kwargs["repetition_penalty"]) == (0.2, 20, 1.1)
     assert kwargs["max_tokens"] == 4 and kwargs["top_p"] == 1.0  # the frontend's budget; neutral where no default
+
+
+@pytest.mark.parametrize(("vllm_name", "ours_name", "table"), [
+    ("TokenizeCompletionRequest", "TokenizeCompletion", "tokenize"),
+    ("TokenizeChatRequest", "TokenizeChat", "tokenize_chat"),
+    ("DetokenizeRequest", "Detokenize", "detokenize"),
+])
+def test_every_vllm_tokenizer_request_field_is_honoured_or_refused(vllm_name, ours_name, table):
+    """/tokenize and /detokenize: vLLM's request fields ⊆ kvtide's declared fields ∪ the not-honoured table."""
+    from vllm.entrypoints.serve.tokenize import protocol as vllm_protocol
+
+    from kvtide.deployments.frontend import tokenize_api
+
+    vllm_fields = set(getattr(vllm_protocol, vllm_name).model_fields)
+    ours = set(getattr(tokenize_api, ours_name).model_fields)
+    assert vllm_fields - ours - set(NOT_HONOURED[table]) == set()
