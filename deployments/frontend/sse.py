@@ -55,16 +55,17 @@ class ChunkRenderer:
         return sse(self._chunk({"role": "assistant", "content": ""}, None))
 
     def delta(self, delta: GenerateDelta) -> bytes | None:
-        """The event of one engine delta, or None when it carries neither text nor a finish.
+        """The event of one engine delta, or None when it carries no token, no text and no finish.
 
-        With `return_token_ids` a delta whose tokens decoded to no text yet is still sent (as
-        vLLM does), so the client sees every token when it is generated.
+        A delta whose tokens decoded to no text yet (part of a multi-byte character) is still
+        sent, with empty text, as vLLM's server sends it: a client sees each engine step when it
+        happens, and its time to first token is the first token's, not the first character's.
         """
-        token_ids = list(delta.token_ids) if self.return_token_ids else None
-        if not (delta.text or delta.finish_reason or token_ids):
+        if not (delta.text or delta.finish_reason or delta.token_ids):
             return None
+        token_ids = list(delta.token_ids) if self.return_token_ids else None
         if self.endpoint == "chat":
-            body: Any = {"content": delta.text} if delta.text else {}
+            body: Any = {"content": delta.text} if delta.text or delta.token_ids else {}
         else:
             body = delta.text
         return sse(self._chunk(body, delta.finish_reason, token_ids))

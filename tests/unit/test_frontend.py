@@ -195,7 +195,8 @@ def _silent_token_engine() -> LocalEngineClient:
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_return_token_ids_streams_a_chunk_for_every_token_even_without_text(endpoint):
-    """vLLM's return_token_ids: every engine step is a chunk with its token ids (a textless token too); without it, textless steps are not sent."""
+    """Every engine step is a chunk, a textless token too, as vLLM sends it; vLLM's return_token_ids adds its token
+    ids to each."""
     client, _ = _app(engine=_silent_token_engine())
     path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}) if endpoint == "chat"
                   else ("/v1/completions", {"prompt": "hi"}))
@@ -211,7 +212,9 @@ def test_return_token_ids_streams_a_chunk_for_every_token_even_without_text(endp
     assert [c["token_ids"] for c in with_ids] == [[100], [101], [102]]
     assert with_ids[-1]["finish_reason"] == "length"
     plain = choices({})
-    assert len(plain) == 2 and all("token_ids" not in c for c in plain)
+    assert len(plain) == 3 and all("token_ids" not in c for c in plain)
+    texts = [c["delta"].get("content") if endpoint == "chat" else c["text"] for c in plain]
+    assert "" in texts and "".join(texts) == "ab"
 
 
 def test_return_token_ids_in_a_non_streamed_response():
@@ -495,3 +498,16 @@ def test_tokenizer_endpoints_refuse_bad_input_naming_the_field(path, body, statu
     resp = client.post(path, json=body)
     assert resp.status_code == status, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("endpoint", "empty_body"), [("chat", {"content": ""}), ("completions", "")])
+def test_a_token_with_no_text_yet_is_still_a_chunk_as_vllm_sends_it(endpoint, empty_body):
+    """Per engine step, as vLLM's server: a delta with tokens but no text yet is sent with empty text; one with
+    nothing at all (no token, text or finish) is not."""
+    from kvtide.deployments.frontend.sse import ChunkRenderer
+
+    renderer = ChunkRenderer(endpoint, "id-1", "m", 0, include_usage=False)
+    event = renderer.delta(GenerateDelta(text="", num_output_tokens=1, num_prompt_tokens=3, token_ids=(200,)))
+    choice = json.loads(event.decode().removeprefix("data: "))["choices"][0]
+    assert choice["delta" if endpoint == "chat" else "text"] == empty_body and "token_ids" not in choice
+    assert renderer.delta(GenerateDelta(text="", num_output_tokens=1, num_prompt_tokens=3)) is None
