@@ -142,11 +142,12 @@ class OpenAIFrontend:
         deadline = Deadline(self.limits.request_timeout_s, time.monotonic())
         streaming = False
         try:
+            routed_tokens = self._routed_tokens(request)
             prompt = self.prompts.build(endpoint, parse_json_body(await self.prompts.read_body(request)),
-                                        self._routed_tokens(request))
+                                        routed_tokens)
             response = await self._run(endpoint, prompt, deadline, ticket, timing,
                                        request.headers.get(SESSION_HEADER), self._routed_prediction(request),
-                                       self._routed_hashes(request, prompt))
+                                       self._routed_hashes(request, prompt) if routed_tokens is not None else None)
             streaming = isinstance(response, StreamingResponse)
             return response
         except ApiError as err:
@@ -172,11 +173,9 @@ class OpenAIFrontend:
     def _routed_hashes(self, request: Any, prompt: Prompt) -> tuple[BlockHash, ...] | None:
         """The routing peer's block hashes of this prompt (direct mode); None: hash here if needed.
 
-        Only with the peer's token ids: hashes of a prompt the replica tokenized itself could
-        belong to other tokens (a chat template applied differently), and are not used.
+        Called only when the prompt is the peer's token ids: hashes beside a prompt the replica
+        tokenized itself could belong to other tokens, and are not used.
         """
-        if not self.accepts_router_headers or request.headers.get(ROUTED_TOKENS_HEADER) is None:
-            return None
         return decode_block_hashes(self._router_header(request, ROUTED_HASHES_HEADER), len(prompt.token_ids),
                                    self.block_size)
 
