@@ -37,6 +37,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from kvtide.config.autoscaling import AutoscalingSettings
 from kvtide.config.base import Strict
 from kvtide.config.routing import RoutingConfig
+from kvtide.config.serving import ServingConfig
 from kvtide.config.vllm_args import engine_arg_names
 
 # Refused connections after which HAProxy marks a replica down (Ray Serve's
@@ -55,6 +56,9 @@ KVTIDE_SETS_ENGINE_ARGS = {
     "disable_log_stats": "stats feed the router and the autoscaler",
     "distributed_executor_backend": "from resources.device and tensor_parallel_size",
     "kv_events_config": "the router's cache view comes from the engine's KV events",
+    "max_logprobs": "from serving.max_logprobs",
+    "structured_outputs_config": "from serving.structured_outputs",
+    "reasoning_parser": "from serving.reasoning_parser",
 }
 
 # Block sizes vLLM's paged KV cache accepts (powers of two from 1 to 256 on CPU and GPU).
@@ -85,7 +89,7 @@ class EngineConfig(Strict):
     extra_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Any other vLLM engine argument, by its EngineArgs name (e.g. kv_cache_dtype: fp8, quantization, "
-                    "max_logprobs), passed to the engine as given; names are checked against the installed vLLM.")
+                    "speculative_config), passed to the engine as given; names are checked against the installed vLLM.")
 
     @model_validator(mode="after")
     def _check_extra_args(self) -> "EngineConfig":
@@ -267,6 +271,7 @@ class KvtideConfig(Strict):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     frontend: FrontendConfig = Field(default_factory=FrontendConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
     http: HttpConfig = Field(default_factory=HttpConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 

@@ -1,10 +1,11 @@
-"""The installed vLLM's engine-argument names, read without importing vLLM.
+"""The installed vLLM's engine- and server-argument names, read without importing vLLM.
 
 `engine.extra_args` passes any vLLM engine argument through; a misspelt name must fail when
 the config loads, not minutes later inside a replica. Importing vLLM would load torch into
 every process that reads a config (the CLI, Serve's controller, the chart's schema build),
 so the names are read from the source of `vllm.engine.arg_utils`: the fields of the
-`EngineArgs` and `AsyncEngineArgs` dataclasses. Without vLLM installed (a controller-only
+`EngineArgs` and `AsyncEngineArgs` dataclasses (and, for `serving.extra_args`, of the OpenAI
+server's `FrontendArgs`, wherever the installed vLLM keeps them). Without vLLM installed (a controller-only
 environment) there is nothing to check against, and the replica's own start is the check.
 """
 
@@ -16,16 +17,38 @@ from functools import lru_cache
 from pathlib import Path
 
 
-@lru_cache(maxsize=1)
-def engine_arg_names() -> frozenset[str] | None:
-    """Field names of the installed vLLM's EngineArgs/AsyncEngineArgs; None when vLLM is not installed."""
+# Where vLLM versions keep the OpenAI server's FrontendArgs (the newer place first).
+_FRONTEND_ARGS_SOURCES = ("entrypoints/launchers/cli_args.py", "entrypoints/openai/cli_args.py")
+
+
+def _vllm_dir() -> Path | None:
     spec = importlib.util.find_spec("vllm")  # locates the package; runs none of its code
     if spec is None or not spec.submodule_search_locations:
         return None
-    source = Path(next(iter(spec.submodule_search_locations))) / "engine" / "arg_utils.py"
-    if not source.is_file():
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@lru_cache(maxsize=1)
+def engine_arg_names() -> frozenset[str] | None:
+    """Field names of the installed vLLM's EngineArgs/AsyncEngineArgs; None when vLLM is not installed."""
+    root = _vllm_dir()
+    source = root / "engine" / "arg_utils.py" if root else None
+    if source is None or not source.is_file():
         return None
     return frozenset(_dataclass_fields(ast.parse(source.read_text()), ("EngineArgs", "AsyncEngineArgs")))
+
+
+@lru_cache(maxsize=1)
+def frontend_arg_names() -> frozenset[str] | None:
+    """Field names of the installed vLLM's OpenAI-server FrontendArgs; None when vLLM is not installed."""
+    root = _vllm_dir()
+    if root is None:
+        return None
+    for relative in _FRONTEND_ARGS_SOURCES:
+        source = root / relative
+        if source.is_file():
+            return frozenset(_dataclass_fields(ast.parse(source.read_text()), ("BaseFrontendArgs", "FrontendArgs")))
+    return None
 
 
 def _dataclass_fields(module: ast.Module, class_names: tuple[str, ...]) -> set[str]:

@@ -112,6 +112,10 @@ class EngineReplica:
         self.load = EngineLoad()
         self.pending_prefill = PendingPrefill()
         self.prometheus_loggers: list = []
+        if isinstance(kwargs.get("structured_outputs_config"), dict):  # the config's plain form
+            from vllm.config import StructuredOutputsConfig
+
+            kwargs["structured_outputs_config"] = StructuredOutputsConfig(**kwargs["structured_outputs_config"])
         self.engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**kwargs),
             stat_loggers=[kept_ray_stat_logger(self.prometheus_loggers), load_logger_factory(self.load)])

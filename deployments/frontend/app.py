@@ -43,6 +43,7 @@ from kvtide.deployments.frontend.metrics import FrontendMetrics
 from kvtide.deployments.frontend import tokenize_api
 from kvtide.deployments.frontend.prompts import PromptBuilder, load_tokenizer, parse_json_body
 from kvtide.deployments.frontend.protocol import ApiError, error_body, validation_error_to_api
+from kvtide.deployments.frontend.vllm_layer import vllm_layer_field
 
 logger = replica_logger("openai_app")
 
@@ -162,7 +163,12 @@ def build_openai_app(frontend: OpenAIFrontend, api_keys: ApiKeys,
 
     @keyed.post("/tokenize")
     async def tokenize(request: Request) -> Any:
-        return tokenize_api.tokenize(frontend.prompts, parse_json_body(await frontend.prompts.read_body(request)))
+        body = await frontend.prompts.read_body(request)
+        data = parse_json_body(body)
+        if (frontend.vllm_app is not None and isinstance(data, dict) and "messages" in data
+                and (frontend.vllm_answers_all or vllm_layer_field(data, "tokenize_chat"))):
+            return frontend.via_vllm(body, "tokenize", counted=False)  # tools or template options: vLLM renders
+        return tokenize_api.tokenize(frontend.prompts, data)
 
     @keyed.post("/detokenize")
     async def detokenize(request: Request) -> Any:

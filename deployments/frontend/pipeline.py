@@ -64,6 +64,7 @@ from kvtide.deployments.routing.trust import (
     read_prediction,
 )
 from kvtide.deployments.frontend.sse import DONE, ChunkRenderer, error_event
+from kvtide.deployments.frontend.vllm_layer import VllmLayerResponse, vllm_layer_field
 
 logger = replica_logger("frontend")
 
@@ -125,6 +126,14 @@ class OpenAIFrontend:
         # and the router's prediction, trust.PREDICTED_CACHED_TOKENS_HEADER); an ingress
         # replica tokenizes and hashes itself.
         self.accepts_router_headers = False
+        # vLLM's own OpenAI app on this replica's engine (direct mode; vllm_layer.py): it answers
+        # what kvtide's path does not implement. None where the frontend has no engine in-process.
+        self.vllm_app: Any = None
+        # Serving options that change every answer (a reasoning parser, another response role,
+        # any serving.extra_args): then vLLM's layer answers every request, so all answer alike.
+        serving = config.serving
+        self.vllm_answers_all = bool(serving.reasoning_parser or serving.response_role != "assistant"
+                                     or serving.extra_args)
 
     # ---- entry --------------------------------------------------------------------------
 
@@ -142,9 +151,13 @@ class OpenAIFrontend:
         deadline = Deadline(self.limits.request_timeout_s, time.monotonic())
         streaming = False
         try:
+            body = await self.prompts.read_body(request)
+            data = parse_json_body(body)
+            if self.vllm_app is not None and (self.vllm_answers_all or vllm_layer_field(data, endpoint)):
+                streaming = True  # the response holds the ticket until it ends
+                return self.via_vllm(body, endpoint, ticket, deadline)
             routed_tokens = self._routed_tokens(request)
-            prompt = self.prompts.build(endpoint, parse_json_body(await self.prompts.read_body(request)),
-                                        routed_tokens)
+            prompt = self.prompts.build(endpoint, data, routed_tokens)
             response = await self._run(endpoint, prompt, deadline, ticket, timing,
                                        request.headers.get(SESSION_HEADER), self._routed_prediction(request),
                                        self._routed_hashes(request, prompt) if routed_tokens is not None else None)
@@ -162,6 +175,32 @@ class OpenAIFrontend:
         finally:
             if not streaming:  # a stream's body releases the gate when it ends
                 ticket.release()
+
+    def via_vllm(self, body: bytes, endpoint: str, ticket: _Ticket | None = None,
+                 deadline: Deadline | None = None, counted: bool = True) -> VllmLayerResponse:
+        """The request, body and all, answered by vLLM's own serving layer (vllm_layer.py).
+
+        `counted`: a generation request, counted in the request metrics like kvtide's own.
+        """
+        arrived_s = time.perf_counter()
+        tags = {"model": self.model_name, "endpoint": endpoint}
+
+        def on_done(status: int) -> None:
+            if ticket is not None:
+                ticket.release()
+            if not counted:
+                return
+            if status == 504:
+                self.metrics.on_rejected(self.model_name, "timeout")
+            if status == 200:
+                self.metrics.e2e_s.observe(time.perf_counter() - arrived_s, tags)
+            self.metrics.on_request_done(self.model_name, endpoint, status)
+
+        response = VllmLayerResponse(self.vllm_app, body, deadline.remaining_s(time.monotonic()) if deadline else None,
+                                     timeout_error(self.limits, "finish"), on_done)
+        if ticket is not None:  # a response the server drops without calling it still frees its slot
+            weakref.finalize(response, ticket.release)
+        return response
 
     def _router_header(self, request: Any, name: str) -> str | None:
         """A header the routing peer set (direct mode, via HAProxy); None where a client could have set it."""

@@ -25,8 +25,10 @@ large would crowd HAProxy's buffer).
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -38,6 +40,7 @@ from kvtide.deployments.frontend.protocol import ApiError, ChatCompletionRequest
 from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, decode_uints, encode_block_hashes, encode_uints
 from kvtide.deployments.frontend.token_encoder import TokenEncoder
 from kvtide.deployments.frontend.unsupported import refuse_unhonoured
+from kvtide.deployments.frontend.vllm_layer import vllm_layer_field
 
 # Completions default to 16 output tokens, as OpenAI's legacy endpoint does.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -58,10 +61,18 @@ def decode_token_ids(value: str | None) -> list[int] | None:
 
 
 @dataclass(frozen=True)
+class RoutingOnlyRequest:
+    """What routing reads of a request vLLM's own layer answers (kvtide's models do not parse it)."""
+
+    cache_salt: str | None
+    user: str | None
+
+
+@dataclass(frozen=True)
 class Prompt:
     """A validated request and what the engine needs from it."""
 
-    request: CompletionRequest | ChatCompletionRequest
+    request: CompletionRequest | ChatCompletionRequest | RoutingOnlyRequest
     token_ids: list[int]
     max_tokens: int
 
@@ -93,6 +104,18 @@ def session_key(prompt: Prompt, session_header: str | None) -> str | None:
     return session_header or prompt.request.user or None
 
 
+def chat_template_text(template: str | None) -> str | None:
+    """serving.chat_template as vLLM's server reads `--chat-template`: a file's text, or the template itself."""
+    if template is None:
+        return None
+    path = Path(template)
+    if path.is_file():
+        return path.read_text()
+    if not any(c in template for c in "{}\n"):
+        raise ValueError(f"serving.chat_template: {template!r} is neither a file here nor a template")
+    return codecs.decode(template, "unicode_escape")  # an inline template may spell newlines as \n
+
+
 def load_tokenizer(config: KvtideConfig) -> Any:
     """The served model's tokenizer (the same files vLLM loads, so the token ids agree)."""
     from transformers import AutoTokenizer
@@ -112,6 +135,9 @@ class PromptBuilder:
         self.max_messages = config.frontend.max_messages
         self.max_prompt_chars = max_prompt_chars(config)
         self.vocab_size = len(tokenizer)
+        # The configured template (serving.chat_template) renders here too, so kvtide's path, the
+        # routing peer and vLLM's layer render a conversation into the same tokens.
+        self.chat_template = chat_template_text(config.serving.chat_template)
 
     async def read_body(self, request: Any) -> bytes:
         """The raw body of a Starlette request, refused (413) past frontend.max_body_bytes."""
@@ -163,9 +189,39 @@ class PromptBuilder:
         try:
             data = parse_json_body(body)
             endpoint = "chat" if isinstance(data, dict) and "messages" in data else "completions"
+            if vllm_layer_field(data, endpoint) is not None:
+                return self._vllm_layer_routing_prompt(endpoint, data)
             return self.build(endpoint, data)
         except ApiError:
             return None
+
+    def _vllm_layer_routing_prompt(self, endpoint: str, data: dict[str, Any]) -> Prompt | None:
+        """The prompt vLLM's own layer will render for a request it answers (tools and template options
+        included, as vLLM passes them to the template), so that agents' long shared tool definitions
+        route to the replica that has them cached. None when it does not render."""
+        salt, user = data.get("cache_salt"), data.get("user")
+        request = RoutingOnlyRequest(salt if isinstance(salt, str) and salt else None,
+                                     user if isinstance(user, str) else None)
+        try:
+            if endpoint == "chat":
+                messages = data["messages"]
+                self._check_conversation([{"content": m.get("content") if isinstance(m.get("content"), str) else ""}
+                                          for m in messages])
+                options = data.get("chat_template_kwargs") or {}
+                template = {"chat_template": self.chat_template} if self.chat_template is not None else {}
+                text = self.tokenizer.apply_chat_template(
+                    messages, tools=data.get("tools") or None, tokenize=False,
+                    add_generation_prompt=data.get("add_generation_prompt", True),
+                    continue_final_message=data.get("continue_final_message", False), **template, **options)
+                token_ids = self.encode(text, add_special_tokens=False)
+            else:
+                prompt = data["prompt"]
+                if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                    prompt = prompt[0]  # a batch: route on its first prompt
+                token_ids = self.text_tokens(prompt) if isinstance(prompt, str) else list(prompt)
+        except Exception:  # anything vLLM would refuse, it refuses itself on the replica
+            return None
+        return Prompt(request, token_ids, 0) if token_ids else None
 
     def parse(self, data: Any, model_cls: type[BaseModel], endpoint: str) -> Any:
         """A parsed body validated as `model_cls`: 400 naming the bad or unhonoured field, 404 for another
@@ -248,8 +304,9 @@ class PromptBuilder:
         """Chat messages rendered with the model's chat template, then tokenized (limits checked first)."""
         self._check_conversation(conversation)
         try:
+            template = {"chat_template": self.chat_template} if self.chat_template is not None else {}
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt, **template)
         except Exception as exc:  # a template may reject a role order; that is the client's input
             raise ApiError(400, f"messages could not be rendered with the chat template: {exc}",
                            param="messages", code="invalid_value") from None

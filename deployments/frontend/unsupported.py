@@ -1,11 +1,12 @@
-"""Request fields vLLM's OpenAI server acts on and kvtide does not (yet): a 400, never a silent 200.
+"""Request fields vLLM's OpenAI server acts on and kvtide's own path does not: never a silent 200.
 
 An application written against vLLM's server may send any field of vLLM's request models.
-kvtide honours the fields its own request models declare (protocol.py). Every other field
-of vLLM's models is listed here with the values that ask for nothing (vLLM's defaults and
-their spellings, e.g. `logprobs: false`, `tools: []`): such a value is accepted, any other
-is refused with a 400 whose `param` names the field, so the client learns at once that the
-answer would not be what it asked for.
+kvtide's own path honours the fields its request models declare (protocol.py). Every other
+field of vLLM's models is listed here with the values that ask for nothing (vLLM's defaults
+and their spellings, e.g. `logprobs: false`, `tools: []`). A request with any other value
+goes to vLLM's own serving layer on the replica (vllm_layer.py); where none runs (http.mode
+ingress) it is refused with a 400 whose `param` names the field, so the client learns at once
+that the answer would not be what it asked for.
 
 A field that neither kvtide nor vLLM knows is ignored, as vLLM's server ignores it (OpenAI
 SDKs add optional keys over time). A unit test checks this table against the installed
@@ -89,8 +90,8 @@ NOT_HONOURED["tokenize_chat"] = {
     "tools": (None, []),
 }
 
-# vLLM fields that change nothing in kvtide's configuration: no reasoning parser and no tool
-# parser is configured, so vLLM itself ignores them there too.
+# vLLM fields kvtide's own path may ignore: they act only with a reasoning or tool parser, and
+# a request that uses tools or reasoning goes to vLLM's layer anyway.
 IGNORED_AS_VLLM_DOES = frozenset({"include_reasoning", "parallel_tool_calls"})
 
 
@@ -99,12 +100,20 @@ def _asks_for_nothing(value: Any, noops: tuple[Any, ...]) -> bool:
     return any(type(value) is type(noop) and value == noop for noop in noops)
 
 
+def first_unhonoured(fields: Mapping[str, Any], table: Mapping[str, tuple[Any, ...]]) -> str | None:
+    """The first of `fields` that `table` lists with a value that asks for something; None if none does."""
+    for name, value in fields.items():
+        noops = table.get(name)
+        if noops is not None and not _asks_for_nothing(value, noops):
+            return name
+    return None
+
+
 def refuse_unhonoured(extra: Mapping[str, Any] | None, endpoint: str) -> None:
     """400 naming the first field of `extra` (a request's undeclared fields) that vLLM would act on."""
     table = NOT_HONOURED[endpoint]
-    for name, value in (extra or {}).items():
-        noops = table.get(name)
-        if noops is not None and not _asks_for_nothing(value, noops):
-            raise ApiError(400, f"'{name}' is not supported by this server (kvtide) yet; send the request "
-                                f"without it, or with its default value ({json.dumps(noops[0])})", param=name,
-                           code="unsupported_field")
+    name = first_unhonoured(extra or {}, table)
+    if name is not None:
+        raise ApiError(400, f"'{name}' is not supported by this server (kvtide) yet; send the request "
+                            f"without it, or with its default value ({json.dumps(table[name][0])})", param=name,
+                       code="unsupported_field")

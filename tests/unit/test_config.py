@@ -134,9 +134,9 @@ def test_extra_engine_args_reach_the_engine_kwargs():
     """engine.extra_args passes any vLLM engine argument through to AsyncEngineArgs as given."""
     from kvtide.deployments.engine.placement import engine_kwargs
 
-    config = parse_config({"engine": {"extra_args": {"kv_cache_dtype": "fp8", "max_logprobs": 5}}})
+    config = parse_config({"engine": {"extra_args": {"kv_cache_dtype": "fp8", "num_gpu_blocks_override": 64}}})
     kwargs = engine_kwargs(config, "/m")
-    assert (kwargs["kv_cache_dtype"], kwargs["max_logprobs"]) == ("fp8", 5)
+    assert (kwargs["kv_cache_dtype"], kwargs["num_gpu_blocks_override"]) == ("fp8", 64)
 
 
 @pytest.mark.parametrize(("extra", "needle"), [

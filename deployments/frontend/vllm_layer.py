@@ -1,0 +1,137 @@
+"""Which requests vLLM's own OpenAI serving layer answers, and the hand-over to it.
+
+kvtide's own path (pipeline.py) implements the fields a plain generation request uses; it is
+the measured fast path (the routing peer's token ids, no second template, one SSE chunk per
+engine step). A request that asks for anything else — a field in unsupported.NOT_HONOURED
+with a value that asks for something, n > 1, usage in every chunk, a batch of prompts, tool
+or multimodal messages — is handed whole to vLLM's OpenAI app on the same engine
+(engine/vllm_openai.py), so it is answered exactly as `vllm serve` answers it.
+
+Where no vLLM app runs beside the frontend (http.mode ingress: the frontend has no engine in
+its process) such a request is the 400 of unsupported.py, naming the field.
+
+The hand-over keeps kvtide's parts around vLLM's: the API key was checked before, the
+admission ticket is held until the response ends, the deadline (frontend.admission
+request_timeout_s) bounds the whole response, and the status is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Callable
+
+from starlette.responses import Response
+
+from kvtide.deployments.frontend.protocol import ApiError
+from kvtide.deployments.frontend.unsupported import NOT_HONOURED, first_unhonoured
+
+# Chat message keys kvtide's own path renders; any other (tool_calls, tool_call_id, reasoning…) is vLLM's.
+_PLAIN_MESSAGE_KEYS = frozenset({"role", "content", "name"})
+_PLAIN_ROLES = frozenset({"system", "developer", "user", "assistant"})
+
+
+def _plain_content(content: Any) -> bool:
+    if content is None or isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content)
+
+
+def _plain_message(message: Any) -> bool:
+    if not isinstance(message, dict):
+        return True  # not a message at all: kvtide's validation answers the 400
+    return (message.get("role") in _PLAIN_ROLES and _PLAIN_MESSAGE_KEYS.issuperset(message)
+            and _plain_content(message.get("content")))
+
+
+def vllm_layer_field(data: Any, endpoint: str) -> str | None:
+    """The first field of a request body only vLLM's serving layer answers as asked; None: kvtide's path serves it.
+
+    `endpoint`: "chat", "completions" or "tokenize_chat".
+    """
+    if not isinstance(data, dict):
+        return None
+    unhonoured = first_unhonoured(data, NOT_HONOURED[endpoint])
+    if unhonoured is not None:
+        return unhonoured
+    if endpoint == "tokenize_chat":
+        return None
+    n = data.get("n")
+    if n is not None and not (type(n) is int and n == 1):
+        return "n"
+    options = data.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        return "stream_options"
+    if endpoint == "completions":
+        prompt = data.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) != 1:
+            return "prompt"
+        return None
+    messages = data.get("messages")
+    if isinstance(messages, list) and not all(_plain_message(m) for m in messages):
+        return "messages"
+    return None
+
+
+def _sse_error(message: str, code: str) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+class VllmLayerResponse(Response):
+    """A request handed to vLLM's ASGI app, its body (read already, to choose the path) replayed.
+
+    `on_done(status)` runs exactly once when the response ends, however it ends (vLLM's status;
+    504 past the deadline; 499 when the client left first).
+    """
+
+    def __init__(self, app: Any, body: bytes, timeout_s: float | None, timeout_error: ApiError,
+                 on_done: Callable[[int], None]):
+        super().__init__()
+        self.app, self.body, self.timeout_s = app, body, timeout_s
+        self.timeout_error, self.on_done = timeout_error, on_done
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        replayed = False
+        started: dict[str, Any] = {}
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": self.body, "more_body": False}
+            return await receive()  # after the body: the client's disconnect, which vLLM watches
+
+        async def tracked(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                started.update(message)
+            await send(message)
+
+        status = 500
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.app(dict(scope), replay, tracked)
+            status = started.get("status", 500)
+        except TimeoutError:
+            status = 504
+            await self._timed_out(started, send)
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            self.on_done(status)
+
+    async def _timed_out(self, started: dict[str, Any], send: Callable[..., Any]) -> None:
+        err = self.timeout_error
+        if not started:
+            body = json.dumps(err.body()).encode()
+            await send({"type": "http.response.start", "status": err.status,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        # The 200 went out: a stream ends with an error event, as kvtide's own streams do.
+        is_stream = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                        for k, v in started.get("headers", []))
+        tail = _sse_error(err.message, "timeout") if is_stream else b""
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
