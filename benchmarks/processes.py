@@ -9,6 +9,7 @@ they can all import it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import httpx
+
+from kvtide.config.serving import ServingConfig
 
 READY_TIMEOUT_S = 300.0
 
@@ -55,7 +58,18 @@ def vllm_cli_flags(kwargs: dict[str, Any]) -> list[str]:
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + key.replace("_", "-"))
         else:
-            flags += [flag, str(value)]
+            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return flags
+
+
+def vllm_serving_flags(serving: ServingConfig) -> list[str]:
+    """kvtide's `serving:` section as the `vllm serve` flags of the same names (unset ones left out)."""
+    flags = []
+    for key, value in serving.server_args().items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:  # vLLM's defaults; its store_true flags have no --no- form
+            continue
+        flags += [flag] if value is True else [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return flags
 
 

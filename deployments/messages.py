@@ -120,3 +120,6 @@ class GenerateDelta:
     replica_id: str = ""
     # The output token ids of this step (the client's `return_token_ids`).
     token_ids: tuple[int, ...] = ()
+    # What stopped generation when finish_reason is "stop": the stop string or stop token id
+    # matched (None for EOS), as vLLM's server reports it.
+    stop_reason: int | str | None = None

@@ -25,7 +25,7 @@ from __future__ import annotations
 from ray import serve
 
 from kvtide.deployments.engine.replica import EngineReplica
-from kvtide.deployments.engine.vllm_openai import build_vllm_openai_app
+from kvtide.deployments.engine.vllm_openai import build_vllm_openai_app, system_fingerprint
 from kvtide.deployments.frontend.engine_client import LocalEngineClient
 from kvtide.deployments.names import ROUTER_DEPLOYMENT
 from kvtide.deployments.frontend.app import build_frontend, build_openai_app
@@ -44,6 +44,7 @@ class EngineServer(EngineReplica):
         self.frontend.accepts_router_headers = True  # the routing peer's tokens, set by HAProxy: tokenize once
         # vLLM's own OpenAI layer on this engine answers what kvtide's path does not implement.
         self.frontend.vllm_app = await build_vllm_openai_app(self.config, self.engine)
+        self.frontend.system_fingerprint = system_fingerprint(self.frontend.vllm_app)
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.frontend, self.api_keys, self.ready)

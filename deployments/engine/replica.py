@@ -234,6 +234,7 @@ class EngineReplica:
                     engine_ttft_s=time.perf_counter() - called_s if first else None,
                     replica_id=self.replica_id,
                     token_ids=tuple(completion.token_ids),
+                    stop_reason=completion.stop_reason if out.finished else None,
                 )
         except (asyncio.CancelledError, GeneratorExit):
             # The caller went away (client disconnect, deadline, handle cancel) or closed the

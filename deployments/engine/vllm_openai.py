@@ -62,6 +62,12 @@ def server_args(config: KvtideConfig, engine: Any) -> Any:
     return args
 
 
+def system_fingerprint(app: Any) -> str | None:
+    """The fingerprint vLLM's layer puts in its responses (None where this vLLM has none)."""
+    chat = getattr(app.state, "openai_serving_chat", None)
+    return getattr(chat, "system_fingerprint", None)
+
+
 def _call_with_accepted(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """fn(*args, **the kwargs its signature names): vLLM versions differ in what they take."""
     accepted = inspect.signature(fn).parameters

@@ -129,6 +129,8 @@ class OpenAIFrontend:
         # vLLM's own OpenAI app on this replica's engine (direct mode; vllm_layer.py): it answers
         # what kvtide's path does not implement. None where the frontend has no engine in-process.
         self.vllm_app: Any = None
+        # vLLM's fingerprint of the serving engine (its layer's, so both paths report the same).
+        self.system_fingerprint: str | None = None
         # Serving options that change every answer (a reasoning parser, another response role,
         # any serving.extra_args): then vLLM's layer answers every request, so all answer alike.
         serving = config.serving
@@ -273,7 +275,8 @@ class OpenAIFrontend:
             self._on_first_token(timing, first)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            renderer = ChunkRenderer(endpoint, request_id, self.model_name, now_s(), include_usage, req.return_token_ids)
+            renderer = ChunkRenderer(endpoint, request_id, self.model_name, now_s(), include_usage, req.return_token_ids,
+                                     self.system_fingerprint)
             body = self._stream(renderer, gen_req, stream, deadline, ticket, timing, tags, prediction)
             # The body releases the gate when it ends; should the server drop the response
             # without iterating it (the client left first), collection releases it instead.
@@ -333,7 +336,8 @@ class OpenAIFrontend:
         finish = last.finish_reason if last else None
         headers = {"x-kvtide-replica": last.replica_id} if last else None
         render = chat_response if endpoint == "chat" else completion_response
-        body = render(request_id, self.model_name, created, full, finish, usage, token_ids if return_token_ids else None)
+        body = render(request_id, self.model_name, created, full, finish, usage, token_ids if return_token_ids else None,
+                      last.stop_reason if last else None, self.system_fingerprint)
         return JSONResponse(body, headers=headers)
 
     async def _stream(self, renderer: ChunkRenderer, gen_req: GenerateRequest, stream: EngineStream,

@@ -205,16 +205,19 @@ def now_s() -> int:
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                     token_ids: list[int] | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                     token_ids: list[int] | None = None, stop_reason: int | str | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                              "stop_reason": stop_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish_reason: str | None,
-               token_ids: list[int] | None = None) -> dict[str, Any]:
+               token_ids: list[int] | None = None, stop_reason: int | str | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    if finish_reason is not None:  # vLLM's server says what stopped it on the finishing chunk
+        choice["stop_reason"] = stop_reason
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
@@ -225,20 +228,23 @@ def usage_chunk(rid: str, model: str, created: int, obj: str, usage: Usage) -> d
 
 
 def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                        usage: Usage, token_ids: list[int] | None = None) -> dict[str, Any]:
-    body = completion_chunk(rid, model, created, text, finish_reason, token_ids)
+                        usage: Usage, token_ids: list[int] | None = None, stop_reason: int | str | None = None,
+                        system_fingerprint: str | None = None) -> dict[str, Any]:
+    body = completion_chunk(rid, model, created, text, finish_reason, token_ids, stop_reason)
     body["usage"] = usage.as_dict()
+    body["system_fingerprint"] = system_fingerprint
     return body
 
 
 def chat_response(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                  usage: Usage, token_ids: list[int] | None = None) -> dict[str, Any]:
+                  usage: Usage, token_ids: list[int] | None = None, stop_reason: int | str | None = None,
+                  system_fingerprint: str | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                              "logprobs": None, "finish_reason": finish_reason}
+                              "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
-            "usage": usage.as_dict()}
+            "usage": usage.as_dict(), "system_fingerprint": system_fingerprint}
 
 
 def validation_error_to_api(errors: list[dict[str, Any]]) -> ApiError:

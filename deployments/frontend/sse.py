@@ -31,19 +31,24 @@ class ChunkRenderer:
     """The events of one streamed response (its id, model and creation time fixed)."""
 
     def __init__(self, endpoint: str, request_id: str, model_name: str, created_s: int, include_usage: bool,
-                 return_token_ids: bool = False):
+                 return_token_ids: bool = False, system_fingerprint: str | None = None):
         self.endpoint = endpoint
         self.request_id = request_id
         self.model_name = model_name
         self.created_s = created_s
         self.include_usage = include_usage
         self.return_token_ids = return_token_ids
+        self.system_fingerprint = system_fingerprint  # on the finishing chunk, as vLLM's server sends it
 
-    def _chunk(self, body: Any, finish: str | None, token_ids: list[int] | None = None) -> dict[str, Any]:
+    def _chunk(self, body: Any, finish: str | None, token_ids: list[int] | None = None,
+               stop_reason: int | str | None = None) -> dict[str, Any]:
         if self.endpoint == "chat":
-            chunk = chat_chunk(self.request_id, self.model_name, self.created_s, body, finish, token_ids)
+            chunk = chat_chunk(self.request_id, self.model_name, self.created_s, body, finish, token_ids, stop_reason)
         else:
-            chunk = completion_chunk(self.request_id, self.model_name, self.created_s, body, finish, token_ids)
+            chunk = completion_chunk(self.request_id, self.model_name, self.created_s, body, finish, token_ids,
+                                     stop_reason)
+        if finish is not None and self.system_fingerprint is not None:
+            chunk["system_fingerprint"] = self.system_fingerprint
         if self.include_usage:
             chunk["usage"] = None  # OpenAI: null on every chunk but the last
         return chunk
@@ -68,10 +73,14 @@ class ChunkRenderer:
             body: Any = {"content": delta.text} if delta.text or delta.token_ids else {}
         else:
             body = delta.text
-        return sse(self._chunk(body, delta.finish_reason, token_ids))
+        return sse(self._chunk(body, delta.finish_reason, token_ids, delta.stop_reason))
 
     def closing(self, usage: Usage) -> bytes:
         """The usage chunk (when asked for) and [DONE]."""
         obj = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
-        head = sse(usage_chunk(self.request_id, self.model_name, self.created_s, obj, usage)) if self.include_usage else b""
-        return head + DONE
+        if not self.include_usage:
+            return DONE
+        chunk = usage_chunk(self.request_id, self.model_name, self.created_s, obj, usage)
+        if self.system_fingerprint is not None:
+            chunk["system_fingerprint"] = self.system_fingerprint
+        return sse(chunk) + DONE

