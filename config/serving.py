@@ -48,6 +48,10 @@ class StructuredOutputsSettings(Strict):
 class ServingConfig(Strict):
     """vLLM's OpenAI serving options (names as `vllm serve` flags, with dashes as underscores)."""
 
+    fast_path: bool = Field(
+        True, description="kvtide's own request path for the requests it implements (plain generation: the "
+                          "routing peer's token ids, no second tokenizing); false: vLLM's serving layer "
+                          "answers every request (direct mode).")
     tool_call_parser: str | None = Field(
         None, description="Parser that turns the model's output into tool_calls (e.g. hermes, llama3_json, "
                           "mistral); needed for tool_choice auto.")

@@ -132,10 +132,10 @@ class OpenAIFrontend:
         # vLLM's fingerprint of the serving engine (its layer's, so both paths report the same).
         self.system_fingerprint: str | None = None
         # Serving options that change every answer (a reasoning parser, another response role,
-        # any serving.extra_args): then vLLM's layer answers every request, so all answer alike.
+        # any serving.extra_args), or serving.fast_path off: vLLM's layer answers every request.
         serving = config.serving
-        self.vllm_answers_all = bool(serving.reasoning_parser or serving.response_role != "assistant"
-                                     or serving.extra_args)
+        self.vllm_answers_all = bool(not serving.fast_path or serving.reasoning_parser
+                                     or serving.response_role != "assistant" or serving.extra_args)
 
     # ---- entry --------------------------------------------------------------------------
 

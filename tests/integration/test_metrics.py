@@ -51,7 +51,7 @@ def test_request_counter_is_labelled_by_status(http, cluster):
     ok_before = metric_sum(cluster.metrics_url, "ray_kvtide_requests_total", status="200")
     bad_before = metric_sum(cluster.metrics_url, "ray_kvtide_requests_total", status="400")
     assert http.post("/v1/completions", json={"model": cluster.model_name, "prompt": "a", "max_tokens": 1}).status_code == 200
-    assert http.post("/v1/completions", json={"model": cluster.model_name, "prompt": "a", "n": 3}).status_code == 400
+    assert http.post("/v1/completions", json={"model": cluster.model_name, "prompt": "a", "max_tokens": 0}).status_code == 400
     wait_for(lambda: metric_sum(cluster.metrics_url, "ray_kvtide_requests_total", status="200") > ok_before
              and metric_sum(cluster.metrics_url, "ray_kvtide_requests_total", status="400") > bad_before,
              timeout_s=60, what="status-labelled request counters to move")

@@ -8,6 +8,8 @@ import json
 import openai
 import pytest
 
+from support import metric_sum, wait_for
+
 
 @pytest.fixture
 def client(cluster):
@@ -173,19 +175,16 @@ def test_stop_token_ids_end_generation_at_that_token_on_the_real_engine(cluster,
     assert resp["usage"]["completion_tokens"] == stop_at + 1, (ids, resp)
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("tools", [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]),
-    ("response_format", {"type": "json_object"}),
-    ("logprobs", True),
-])
-def test_a_field_kvtide_does_not_honour_is_a_400_naming_it_not_a_silent_200(cluster, http, field, value):
-    """Through HAProxy and the routing peer: the replica answers 400 with param naming the field, OpenAI-shaped."""
-    body = {"model": cluster.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            field: value}
-    resp = http.post("/v1/chat/completions", json=body)
-    assert resp.status_code == 400, resp.text
-    error = resp.json()["error"]
-    assert (error["param"], error["code"], error["type"]) == (field, "unsupported_field", "invalid_request_error")
+def test_a_field_only_vllms_layer_answers_is_served_through_haproxy_with_kvtides_metrics(cluster, http):
+    """Through HAProxy and the routing peer, n=2 and a batch of prompts (answered by vLLM's own layer on the
+    replica) return what they ask for, and count in kvtide's request counter."""
+    before = metric_sum(cluster.metrics_url, "ray_kvtide_requests_total", endpoint="completions", status="200")
+    two = http.post("/v1/completions", json={"model": cluster.model_name, "prompt": "def", "max_tokens": 2, "n": 2})
+    assert sorted(c["index"] for c in two.json()["choices"]) == [0, 1], two.text
+    batch = http.post("/v1/completions", json={"model": cluster.model_name, "prompt": ["def", "class"], "max_tokens": 2})
+    assert sorted(c["index"] for c in batch.json()["choices"]) == [0, 1], batch.text
+    wait_for(lambda: metric_sum(cluster.metrics_url, "ray_kvtide_requests_total", endpoint="completions",
+                                status="200") >= before + 2, timeout_s=60, what="both requests counted")
 
 
 def test_models_retrieve_tokenize_and_version_through_haproxy(client, cluster, http):
