@@ -26,22 +26,24 @@ from starlette.responses import Response
 from kvtide.deployments.frontend.protocol import ApiError
 from kvtide.deployments.frontend.unsupported import NOT_HONOURED, first_unhonoured
 
-# Chat message keys kvtide's own path renders; any other (tool_calls, tool_call_id, reasoning…) is vLLM's.
-_PLAIN_MESSAGE_KEYS = frozenset({"role", "content", "name"})
-_PLAIN_ROLES = frozenset({"system", "developer", "user", "assistant"})
+# What in a chat message only vLLM's layer renders: a tool result turn, an assistant turn's
+# tool calls or reasoning. (Anything else malformed — an unknown role, no role — is kvtide's
+# 400 naming it; vLLM would pass an unknown role to the template.)
+_TOOL_ROLES = frozenset({"tool", "function"})
+_VLLM_MESSAGE_KEYS = frozenset({"tool_calls", "tool_call_id", "function_call", "reasoning", "reasoning_content"})
 
 
-def _plain_content(content: Any) -> bool:
-    if content is None or isinstance(content, str):
-        return True
-    return isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content)
+def _vllm_content(content: Any) -> bool:
+    """Content parts other than text (images, audio, files, …): vLLM's multimodal rendering."""
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") not in (None, "text")
+                                             for p in content)
 
 
-def _plain_message(message: Any) -> bool:
+def _vllm_message(message: Any) -> bool:
     if not isinstance(message, dict):
-        return True  # not a message at all: kvtide's validation answers the 400
-    return (message.get("role") in _PLAIN_ROLES and _PLAIN_MESSAGE_KEYS.issuperset(message)
-            and _plain_content(message.get("content")))
+        return False  # not a message at all: kvtide's validation answers the 400
+    return (message.get("role") in _TOOL_ROLES or not _VLLM_MESSAGE_KEYS.isdisjoint(message)
+            or _vllm_content(message.get("content")))
 
 
 def vllm_layer_field(data: Any, endpoint: str) -> str | None:
@@ -68,7 +70,7 @@ def vllm_layer_field(data: Any, endpoint: str) -> str | None:
             return "prompt"
         return None
     messages = data.get("messages")
-    if isinstance(messages, list) and not all(_plain_message(m) for m in messages):
+    if isinstance(messages, list) and any(_vllm_message(m) for m in messages):
         return "messages"
     return None
 

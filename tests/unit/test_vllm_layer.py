@@ -1,0 +1,155 @@
+"""Which requests vLLM's own serving layer answers, the hand-over to it, and the serving: config section."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+
+from kvtide.benchmarks.processes import vllm_serving_flags
+from kvtide.config import ConfigError, parse_config
+from kvtide.deployments.engine.placement import engine_kwargs
+from kvtide.deployments.frontend.protocol import ApiError
+from kvtide.deployments.frontend.prompts import chat_template_text
+from kvtide.deployments.frontend.vllm_layer import VllmLayerResponse, vllm_layer_field
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(("body", "endpoint", "field"), [
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "chat", "tools"),
+    ({"messages": USER, "response_format": {"type": "json_object"}}, "chat", "response_format"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": 2}, "chat", "logprobs"),
+    ({"messages": USER, "n": 2}, "chat", "n"),
+    ({"messages": USER, "stream": True, "stream_options": {"continuous_usage_stats": True}}, "chat", "stream_options"),
+    ({"messages": USER + [{"role": "tool", "tool_call_id": "c", "content": "sunny"}]}, "chat", "messages"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}, "chat", "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "chat",
+     "messages"),
+    ({"prompt": "a", "echo": True}, "completions", "echo"),
+    ({"prompt": ["a", "b"]}, "completions", "prompt"),
+    ({"prompt": "a", "logprobs": 1}, "completions", "logprobs"),
+    ({"messages": USER, "chat_template_kwargs": {"enable_thinking": False}}, "tokenize_chat", "chat_template_kwargs"),
+])
+def test_a_field_kvtides_path_does_not_implement_goes_to_vllms_layer(body, endpoint, field):
+    """Each vLLM feature kvtide's own path lacks sends the request to vLLM's layer, named by its field."""
+    assert vllm_layer_field(body, endpoint) == field
+
+
+@pytest.mark.parametrize(("body", "endpoint"), [
+    ({"messages": USER, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}, "chat"),
+    ({"messages": USER, "logprobs": False, "tools": [], "n": 1, "response_format": {"type": "text"}}, "chat"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "chat"),   # malformed: kvtide's 400 names it
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}, "chat"),
+    ({"prompt": ["one prompt"], "echo": False}, "completions"),
+    ("not an object", "chat"),
+])
+def test_a_plain_or_malformed_request_stays_on_kvtides_path(body, endpoint):
+    """Plain requests (defaults spelt out included) and malformed ones are kvtide's: fast path or its 400."""
+    assert vllm_layer_field(body, endpoint) is None
+
+
+def _run(response: VllmLayerResponse, client_messages: list[dict]) -> tuple[list[dict], list[int]]:
+    sent: list[dict] = []
+    done: list[int] = []
+    response.on_done = done.append
+    incoming = iter(client_messages)
+
+    async def receive():
+        return next(incoming)
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(response({"type": "http", "method": "POST", "path": "/v1/chat/completions"}, receive, send))
+    return sent, done
+
+
+def _timeout() -> ApiError:
+    return ApiError(504, "took too long", code="timeout")
+
+
+def test_the_hand_over_replays_the_body_and_reports_vllms_status():
+    """vLLM's app reads the body kvtide already read, then the client's disconnect; on_done gets its status once."""
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(await receive())
+        seen.append(await receive())
+        await send({"type": "http.response.start", "status": 400, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    sent, done = _run(VllmLayerResponse(app, b'{"a": 1}', None, _timeout(), lambda s: None),
+                      [{"type": "http.disconnect"}])
+    assert seen == [{"type": "http.request", "body": b'{"a": 1}', "more_body": False}, {"type": "http.disconnect"}]
+    assert done == [400] and sent[0]["status"] == 400
+
+
+def test_past_the_deadline_before_any_byte_the_answer_is_kvtides_504():
+    """A vLLM answer that has not started by the deadline becomes a 504 JSON error; on_done(504)."""
+    async def app(scope, receive, send):
+        await asyncio.Event().wait()  # never answers
+
+    sent, done = _run(VllmLayerResponse(app, b"{}", 0.01, _timeout(), lambda s: None), [])
+    assert sent[0]["status"] == 504 and json.loads(sent[1]["body"])["error"]["code"] == "timeout"
+    assert done == [504]
+
+
+def test_past_the_deadline_mid_stream_the_stream_ends_with_an_error_event():
+    """A stream cut by the deadline ends with an SSE error event and [DONE], as kvtide's own streams do."""
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        await asyncio.Event().wait()
+
+    sent, done = _run(VllmLayerResponse(app, b"{}", 0.01, _timeout(), lambda s: None), [])
+    tail = sent[-1]
+    assert tail["more_body"] is False and b'"code": "timeout"' in tail["body"] and tail["body"].endswith(b"[DONE]\n\n")
+    assert done == [504]
+
+
+def test_serving_section_reaches_engine_kwargs_and_the_vllm_serve_flags():
+    """serving: options vLLM takes as engine args go to the engine; the rest become the same `vllm serve` flags."""
+    config = parse_config({"serving": {"tool_call_parser": "hermes", "enable_auto_tool_choice": True,
+                                       "reasoning_parser": "qwen3", "max_logprobs": 5,
+                                       "structured_outputs": {"backend": "xgrammar", "disable_any_whitespace": True},
+                                       "extra_args": {"enable_prompt_tokens_details": True}}})
+    kwargs = engine_kwargs(config, "/m")
+    assert (kwargs["max_logprobs"], kwargs["reasoning_parser"]) == (5, "qwen3")
+    assert kwargs["structured_outputs_config"] == {"backend": "xgrammar", "disable_any_whitespace": True,
+                                                   "disable_additional_properties": False}
+    assert vllm_serving_flags(config.serving) == ["--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                                                  "--response-role", "assistant", "--enable-prompt-tokens-details"]
+
+
+@pytest.mark.parametrize(("serving", "needle"), [
+    ({"enable_auto_tool_choice": True}, "serving.enable_auto_tool_choice needs serving.tool_call_parser"),
+    ({"extra_args": {"tool_call_parser": "x"}}, "serving.extra_args.tool_call_parser: kvtide exposes it"),
+    ({"extra_args": {"enable_prompt_token_details": True}},
+     "not an option of the installed vLLM's OpenAI server; did you mean 'enable_prompt_tokens_details'?"),
+    ({"extra_args": {"api_key": "k"}}, "serving.extra_args.api_key: kvtide sets this itself (frontend.auth"),
+])
+def test_a_bad_serving_option_fails_when_the_config_loads_naming_the_fix(serving, needle):
+    """A serving option that cannot work is refused at load, in one line naming the fix."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        parse_config({"serving": serving})
+
+
+def test_an_engine_arg_the_serving_section_owns_is_refused_in_engine_extra_args():
+    """max_logprobs lives in serving:, so engine.extra_args naming it says where to set it."""
+    with pytest.raises(ConfigError, match=re.escape("from serving.max_logprobs")):
+        parse_config({"engine": {"extra_args": {"max_logprobs": 5}}})
+
+
+def test_chat_template_is_read_as_vllm_reads_it(tmp_path):
+    """serving.chat_template: a file's text, or an inline template (escaped newlines decoded); else an error."""
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }}")
+    assert chat_template_text(str(path)) == "{{ messages }}"
+    assert chat_template_text("{{ a }}\\n") == "{{ a }}\n"
+    assert chat_template_text(None) is None
+    with pytest.raises(ValueError, match="neither a file here nor a template"):
+        chat_template_text(str(tmp_path / "missing.jinja"))
