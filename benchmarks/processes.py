@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import httpx
 
+from kvtide.config.lora import LoraConfig
 from kvtide.config.serving import ServingConfig
 
 READY_TIMEOUT_S = 300.0
@@ -60,6 +61,14 @@ def vllm_cli_flags(kwargs: dict[str, Any]) -> list[str]:
         else:
             flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return flags
+
+
+def vllm_lora_flags(lora: LoraConfig) -> list[str]:
+    """kvtide's `lora.adapters` as `vllm serve`'s --lora-modules (the demo adapters built here)."""
+    from kvtide.deployments.engine.demo_model import resolve_adapter
+
+    modules = [f"{name}={resolve_adapter(name, path)}" for name, path in lora.adapters.items()]
+    return ["--lora-modules", *modules] if modules else []
 
 
 def vllm_serving_flags(serving: ServingConfig) -> list[str]:

@@ -37,6 +37,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from kvtide.config.autoscaling import AutoscalingSettings
 from kvtide.config.base import Strict
 from kvtide.config.routing import RoutingConfig
+from kvtide.config.lora import LoraConfig
 from kvtide.config.serving import ServingConfig
 from kvtide.config.vllm_args import engine_arg_names
 
@@ -59,6 +60,10 @@ KVTIDE_SETS_ENGINE_ARGS = {
     "max_logprobs": "from serving.max_logprobs",
     "structured_outputs_config": "from serving.structured_outputs",
     "reasoning_parser": "from serving.reasoning_parser",
+    "enable_lora": "on when lora.adapters names any",
+    "max_loras": "from lora.max_loras",
+    "max_lora_rank": "from lora.max_lora_rank",
+    "max_cpu_loras": "from lora.max_cpu_loras",
 }
 
 # Block sizes vLLM's paged KV cache accepts (powers of two from 1 to 256 on CPU and GPU).
@@ -272,6 +277,7 @@ class KvtideConfig(Strict):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     frontend: FrontendConfig = Field(default_factory=FrontendConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     http: HttpConfig = Field(default_factory=HttpConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
@@ -281,6 +287,13 @@ class KvtideConfig(Strict):
             raise ValueError(
                 f"http.port and metrics.port are both {self.http.port}; give the metrics export its own port"
             )
+        if self.lora.adapters:
+            if self.model_name in self.lora.adapters:
+                raise ValueError(f"lora.adapters.{self.model_name}: the base model is served under this name; "
+                                 "give the adapter another")
+            if self.http.mode == "ingress":
+                raise ValueError("lora.adapters: adapters are served by vLLM's serving layer on the engine "
+                                 "replicas, which http.mode ingress does not run; use http.mode direct")
         share = self.resources.gpus_per_worker
         if share < 1.0 and self.resources.device == "gpu":
             if self.engine.tensor_parallel_size > 1:

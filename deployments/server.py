@@ -45,6 +45,7 @@ class EngineServer(EngineReplica):
         # vLLM's own OpenAI layer on this engine answers what kvtide's path does not implement.
         self.frontend.vllm_app = await build_vllm_openai_app(self.config, self.engine)
         self.frontend.system_fingerprint = system_fingerprint(self.frontend.vllm_app)
+        self.frontend.replica_id = self.replica_id
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.frontend, self.api_keys, self.ready)

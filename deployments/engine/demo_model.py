@@ -171,3 +171,57 @@ def resolve_model(model: str) -> str:
     if model == DEMO_MODEL:
         return str(build_demo_model())
     return model
+
+
+# The demo LoRA adapters: random rank-8 adapters of the demo model's attention projections,
+# one per name (seeded by it), for multi-LoRA serving and adapter routing without a hub.
+DEMO_LORA_RANK = 8
+DEMO_LORA_TARGETS = ("q_proj", "v_proj")
+
+
+def demo_lora_dir(name: str, spec: DemoModelSpec = DemoModelSpec()) -> Path:
+    return kvtide_home() / "loras" / f"{name}-{spec.fingerprint}"
+
+
+def build_demo_lora(name: str, spec: DemoModelSpec = DemoModelSpec()) -> Path:
+    """Build (or reuse) the random demo adapter `name` (PEFT's file layout) and return its directory."""
+    import torch
+    from safetensors.torch import save_file
+
+    target = demo_lora_dir(name, spec)
+    if (target / "adapter_config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    out_features = {"q_proj": spec.hidden_size, "v_proj": spec.num_key_value_heads * head_dim}
+    generator = torch.Generator().manual_seed(int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
+    tensors = {}
+    for layer in range(spec.num_hidden_layers):
+        for module in DEMO_LORA_TARGETS:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(
+                DEMO_LORA_RANK, spec.hidden_size, generator=generator).to(getattr(torch, spec.dtype)) * 0.1
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(
+                out_features[module], DEMO_LORA_RANK, generator=generator).to(getattr(torch, spec.dtype)) * 0.1
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": DEMO_LORA_RANK, "lora_alpha": 2 * DEMO_LORA_RANK,
+              "lora_dropout": 0.0, "bias": "none", "target_modules": list(DEMO_LORA_TARGETS),
+              "base_model_name_or_path": str(demo_model_dir(spec)), "fan_in_fan_out": False}
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / "adapter_model.safetensors"))
+        (staging / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "adapter_config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_adapter(name: str, path: str) -> str:
+    """lora.adapters' 'demo' → the built demo adapter `name` (building it if needed); a path unchanged."""
+    from kvtide.config.lora import DEMO_ADAPTER
+
+    return str(build_demo_lora(name)) if path == DEMO_ADAPTER else path

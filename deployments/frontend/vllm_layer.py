@@ -46,13 +46,17 @@ def _vllm_message(message: Any) -> bool:
             or _vllm_content(message.get("content")))
 
 
-def vllm_layer_field(data: Any, endpoint: str) -> str | None:
+def vllm_layer_field(data: Any, endpoint: str, adapters: frozenset[str] = frozenset()) -> str | None:
     """The first field of a request body only vLLM's serving layer answers as asked; None: kvtide's path serves it.
 
-    `endpoint`: "chat", "completions" or "tokenize_chat".
+    `endpoint`: "chat", "completions" or "tokenize_chat"; `adapters`: the served LoRA adapters'
+    names (a request for one is vLLM's: it applies the adapter).
     """
     if not isinstance(data, dict):
         return None
+    model = data.get("model")
+    if isinstance(model, str) and model in adapters:
+        return "model"
     unhonoured = first_unhonoured(data, NOT_HONOURED[endpoint])
     if unhonoured is not None:
         return unhonoured
@@ -88,10 +92,11 @@ class VllmLayerResponse(Response):
     """
 
     def __init__(self, app: Any, body: bytes, timeout_s: float | None, timeout_error: ApiError,
-                 on_done: Callable[[int], None]):
+                 on_done: Callable[[int], None], extra_headers: dict[str, str] | None = None):
         super().__init__()
         self.app, self.body, self.timeout_s = app, body, timeout_s
         self.timeout_error, self.on_done = timeout_error, on_done
+        self.extra_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (extra_headers or {}).items()]
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         replayed = False
@@ -106,6 +111,7 @@ class VllmLayerResponse(Response):
 
         async def tracked(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *self.extra_headers]}
                 started.update(message)
             await send(message)
 

@@ -57,6 +57,19 @@ def salt_root(salt: str | None) -> BlockHash | None:
     return BlockHash(int.from_bytes(digest, "little"))
 
 
+def chain_key(cache_salt: str | None, lora_name: str | None) -> str | None:
+    """What a prompt's block chain starts from: its cache salt and its LoRA adapter.
+
+    vLLM keys both into its block hashes (blocks computed under another adapter or salt are
+    never reused), so the router's chains must part the same way; the result goes where a
+    cache salt goes (salt_root). A prompt with an adapter counts as salted: its prefixes are
+    not warmed into new replicas, whose warm-up prefills run without adapters.
+    """
+    if lora_name is None:
+        return cache_salt
+    return f"\0lora\0{lora_name}\0{cache_salt or ''}"
+
+
 def _parent_bytes(parent: BlockHash | None) -> bytes:
     return b"" if parent is None else parent.to_bytes(_HASH_BYTES, "little")
 

@@ -30,10 +30,12 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
 
 
-# The embedded default with the serving options of config/presets/cpu-parity.yaml (a hermes
-# tool-call parser, compact xgrammar JSON): test_vllm_parity runs bare vLLM with the same flags.
-_PARITY_SERVING = yaml.safe_load((REPO / "config/presets/cpu-parity.yaml").read_text())["serving"]
-SESSION_CONFIG = load_config(REPO / "config/presets/cpu.yaml", [f"serving={json.dumps(_PARITY_SERVING)}",
+# The embedded default with the serving options and LoRA adapters of config/presets/cpu-parity.yaml
+# (a hermes tool-call parser, compact xgrammar JSON, two demo adapters): test_vllm_parity runs bare
+# vLLM with the same flags.
+_PARITY = yaml.safe_load((REPO / "config/presets/cpu-parity.yaml").read_text())
+SESSION_CONFIG = load_config(REPO / "config/presets/cpu.yaml", [
+    f"serving={json.dumps(_PARITY['serving'])}", f"lora={json.dumps(_PARITY['lora'])}",
     f"http.port={HTTP_PORT}", f"metrics.port={METRICS_PORT}",
     # Autoscaling stats every 1 s, so the autoscaling test reacts within its short delays.
     "autoscaling.metrics_push_interval_s=1"])

@@ -51,6 +51,28 @@ def test_salted_tenants_never_share_cached_blocks_and_each_keeps_its_affinity(ht
             assert cached >= 1024, f"{salt} request {i} prefilled cold: {served}"
 
 
+def _ask_model(http, model: str, prefix: str, question: str) -> tuple[str, int]:
+    resp = http.post("/v1/completions", json={"model": model, "prompt": f"{prefix} {question}?", "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    return resp.headers["x-kvtide-replica"], resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_lora_adapters_requests_are_routed_to_its_own_cached_blocks(http, cluster):
+    """An adapter's prompt is cached apart from the base model's and another adapter's (vLLM keys the adapter into
+    its blocks), and every later request for that adapter reaches a replica holding its prefix, counted under
+    the adapter's name."""
+    prefix = _prefix(4)
+    before = metric_sum(cluster.metrics_url, "ray_kvtide_requests_total", model="demo-sql", status="200")
+    wait_for(lambda: _ask_model(http, "demo-sql", prefix, "warm")[1] > 0, timeout_s=30,
+             what="the adapter's prefix to be cached")
+    assert _ask_model(http, "demo-chat", prefix, "warm")[1] == 0
+    assert _ask_model(http, cluster.model_name, prefix, "warm")[1] == 0
+    served = [_ask_model(http, "demo-sql", prefix, f"q{i}") for i in range(4)]
+    assert all(cached >= 1024 for _, cached in served), f"(replica, cached tokens) per request: {served}"
+    wait_for(lambda: metric_sum(cluster.metrics_url, "ray_kvtide_requests_total", model="demo-sql",
+                                status="200") >= before + 5, timeout_s=60, what="requests counted under the adapter")
+
+
 def test_groups_with_distinct_prefixes_split_and_keep_affinity(http, cluster):
     """Two prefix groups land on different replicas, then every later request of a group hits a replica holding its prefix."""
     prefixes = {"A": _prefix(1), "B": _prefix(2)}

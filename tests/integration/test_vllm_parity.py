@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvtide.benchmarks.processes import server_process, vllm_server_cmd, vllm_serving_flags, wait_ready
+from kvtide.benchmarks.processes import (server_process, vllm_lora_flags, vllm_server_cmd, vllm_serving_flags,
+                                         wait_ready)
 from kvtide.config import load_config
 from kvtide.deployments.engine.demo_model import resolve_model
 from kvtide.deployments.engine.placement import engine_kwargs
@@ -44,7 +45,7 @@ def bare_vllm(cluster, tmp_path_factory):
     """vLLM's own server on the demo model, with cpu-parity.yaml's flags, on its own CPU core."""
     config = load_config(REPO / "config/presets/cpu-parity.yaml")
     cmd = vllm_server_cmd(engine_kwargs(config, resolve_model(config.model)), BARE_PORT)
-    cmd += vllm_serving_flags(config.serving)
+    cmd += vllm_serving_flags(config.serving) + vllm_lora_flags(config.lora)
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"}
     log = tmp_path_factory.mktemp("bare-vllm") / "server.log"
     base_url = f"http://127.0.0.1:{BARE_PORT}"
@@ -228,3 +229,17 @@ def test_what_vllm_refuses_kvtide_refuses_with_the_same_status(kvtide, bare_vllm
     """A request vLLM's server refuses is refused by kvtide with the same 4xx status."""
     ours, theirs = _post_both(kvtide, bare_vllm, "/v1/chat/completions", body)
     assert 400 <= theirs.status_code < 500 and "error" in ours.json()
+
+
+def test_lora_adapters_are_listed_and_applied_as_vllm_lists_and_applies_them(kvtide, bare_vllm):
+    """/v1/models lists the base model and both demo adapters with the same parents; a request for an adapter is
+    answered with the adapter applied: its prompt logprobs differ from the base model's, on both servers."""
+    for client in (kvtide, bare_vllm):
+        models = {m["id"]: m.get("parent") for m in client.get("/v1/models").json()["data"]}
+        assert models == {"kvtide-demo": None, "demo-sql": "kvtide-demo", "demo-chat": "kvtide-demo"}
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+    adapter = _both_answers(kvtide, bare_vllm, "/v1/completions", {**body, "model": "demo-sql"})
+    base = _both_answers(kvtide, bare_vllm, "/v1/completions", {**body, "model": "kvtide-demo"})
+    for with_adapter, without in zip(adapter, base):
+        assert with_adapter["model"] == "demo-sql"
+        assert with_adapter["choices"][0]["prompt_logprobs"] != without["choices"][0]["prompt_logprobs"]

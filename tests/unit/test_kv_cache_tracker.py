@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtide.deployments.engine.kv_cache_tracker import KvCacheTracker
-from kvtide.deployments.routing.block_hash import block_hashes
+from kvtide.deployments.routing.block_hash import block_hashes, chain_key, salt_root
 
 BS = 4
 
@@ -90,7 +90,6 @@ def _vllm_stored(hashes, parent, tokens, extra_keys=None, lora_name=None):
 
 def test_a_salted_prompt_gets_the_routers_salted_chain():
     """vLLM's event names the cache salt in the first block's extra keys; the chain starts at that salt's root."""
-    from kvtide.deployments.routing.block_hash import salt_root
 
     tokens = list(range(100, 112))
     t = _tracker()
@@ -102,12 +101,18 @@ def test_a_salted_prompt_gets_the_routers_salted_chain():
         block_hashes(tokens, BS, parent=salt_root("tenant-b")))
 
 
-def test_the_lora_name_is_not_taken_for_a_salt():
-    """Extra keys that hold only the LoRA name leave the chain unsalted."""
+def test_an_adapters_blocks_chain_from_the_adapters_own_root():
+    """A LoRA adapter's blocks chain from chain_key(salt, adapter), as the router hashes its prompts; the adapter's
+    name is never taken for a salt, and its chain is apart from the base model's and from another adapter's."""
     tokens = list(range(4))
     t = _tracker()
     t.apply(_vllm_stored(["v1"], None, tokens, extra_keys=[("my-lora",)], lora_name="my-lora"))
-    assert t.digest(0.0).hashes() == frozenset(block_hashes(tokens, BS))
+    t.apply(_vllm_stored(["v2"], None, tokens, extra_keys=[("my-lora", "tenant-a")], lora_name="my-lora"))
+    held = t.digest(0.0).hashes()
+    assert held == frozenset(block_hashes(tokens, BS, parent=salt_root(chain_key(None, "my-lora")))
+                             + block_hashes(tokens, BS, parent=salt_root(chain_key("tenant-a", "my-lora"))))
+    assert held.isdisjoint(block_hashes(tokens, BS)) and held.isdisjoint(
+        block_hashes(tokens, BS, parent=salt_root(chain_key(None, "other-lora"))))
 
 
 def test_cached_prefix_blocks_from_hashes_or_tokens():

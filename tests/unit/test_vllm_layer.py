@@ -153,3 +153,45 @@ def test_chat_template_is_read_as_vllm_reads_it(tmp_path):
     assert chat_template_text(None) is None
     with pytest.raises(ValueError, match="neither a file here nor a template"):
         chat_template_text(str(tmp_path / "missing.jinja"))
+
+
+def test_an_adapters_prompt_is_hashed_from_the_adapters_root_as_its_engine_reports_the_blocks():
+    """The routing peer hashes a LoRA request from chain_key(salt, adapter); the engine's tracker names the blocks
+    vLLM stored under that adapter the same, and neither equals the base model's chain for the same tokens."""
+    from vllm.distributed.kv_events import BlockStored
+
+    from fakes import FakeTokenizer
+
+    from kvtide.deployments.engine.kv_cache_tracker import KvCacheTracker
+    from kvtide.deployments.frontend.prompts import PromptBuilder
+    from kvtide.deployments.router_peer import routing_prompt_and_hashes
+
+    block_size = 16
+    config = parse_config({"model": "/m", "served_model_name": "m", "engine": {"max_model_len": 256},
+                           "lora": {"adapters": {"sql": "/adapters/sql"}}})
+    prompts = PromptBuilder(config, FakeTokenizer())
+    text = "SELECT name FROM users WHERE id = 1; -- a prompt of four blocks"
+    adapter, adapter_hashes = routing_prompt_and_hashes(prompts, json.dumps({"model": "sql", "prompt": text}).encode(),
+                                                        block_size)
+    base, base_hashes = routing_prompt_and_hashes(prompts, json.dumps({"model": "m", "prompt": text}).encode(),
+                                                  block_size)
+    assert adapter.token_ids == base.token_ids and len(adapter_hashes) == 4
+    assert set(adapter_hashes).isdisjoint(base_hashes)
+    tracker = KvCacheTracker("r", epoch=1, block_size=block_size)
+    tracker.apply(BlockStored(block_hashes=["v1", "v2", "v3", "v4"], parent_block_hash=None,
+                              token_ids=adapter.token_ids[:64], block_size=block_size, lora_id=1, medium="GPU",
+                              lora_name="sql", extra_keys=[("sql",)] * 4))
+    assert tracker.digest(0.0).hashes() == frozenset(adapter_hashes)
+
+
+def test_adapters_are_models_of_their_own_and_only_in_direct_mode():
+    """/v1/models lists each adapter with the base model as parent; an adapter request goes to vLLM's layer;
+    adapters with http.mode ingress (no vLLM layer there) fail when the config loads."""
+    assert vllm_layer_field({"model": "sql", "prompt": "x"}, "completions", frozenset({"sql"})) == "model"
+    assert vllm_layer_field({"model": "base", "prompt": "x"}, "completions", frozenset({"sql"})) is None
+    with pytest.raises(ConfigError, match="use http.mode direct"):
+        parse_config({"http": {"mode": "ingress"}, "lora": {"adapters": {"sql": "/a"}}})
+    with pytest.raises(ConfigError, match="the base model is served under this name"):
+        parse_config({"served_model_name": "m", "lora": {"adapters": {"m": "/a"}}})
+    assert parse_config({"lora": {"adapters": {"sql": "/a"}, "max_loras": 2}}).lora.engine_args() == {
+        "enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
