@@ -2,6 +2,7 @@
 
     kvtide plan --model /models/llama-70b --gpu-mem-gib 80 --max-model-len 32768
     kvtide plan --layers 80 --kv-heads 8 --head-dim 128 --params-b 70.6 --gpu-mem-gib 139 --tp 4 --max-model-len 131072
+    kvtide plan --config my.yaml --gpu-mem-gib 139     (model, TP, context, dtypes from the config)
 
 `cluster.cli` calls `register(subparsers)`; the command is thin: flags → ModelShape →
 plan_capacity → format_plan.
@@ -34,7 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "plan", help="KV bytes per token, KV capacity per replica and a suggested TP size",
         description="Capacity planning from a model's shape: give --model (a local HF directory with "
                     "config.json) or --layers/--kv-heads/--head-dim.")
-    source = parser.add_mutually_exclusive_group(required=True)
+    parser.add_argument("--config", "-c", help="a kvtide config: its model, engine.tensor_parallel_size, "
+                                               "max_model_len, dtype, gpu_memory_utilization and "
+                                               "extra_args.kv_cache_dtype fill the flags not given")
+    source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="local HF-format model directory (reads its config.json)")
     source.add_argument("--layers", type=int, help="number of decoder layers")
     parser.add_argument("--kv-heads", type=int, help="KV heads per layer (with --layers)")
@@ -44,9 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-dtype", help="KV cache dtype when it differs from --dtype (e.g. fp8)")
     parser.add_argument("--params-b", type=float, help="parameters in billions (default: estimated from config.json)")
     parser.add_argument("--gpu-mem-gib", type=float, required=True, help="memory of one GPU, in GiB")
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size of one replica (default 1)")
-    parser.add_argument("--max-model-len", type=int, required=True, help="longest prompt + completion, in tokens")
-    parser.add_argument("--gpu-util", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+    parser.add_argument("--tp", type=int, help="tensor parallel size of one replica (default 1)")
+    parser.add_argument("--max-model-len", type=int, help="longest prompt + completion, in tokens")
+    parser.add_argument("--gpu-util", type=float,
                         help=f"share of GPU memory vLLM uses (default {DEFAULT_GPU_MEMORY_UTILIZATION})")
     parser.add_argument("--reserve-gib", type=float, default=DEFAULT_ACTIVATION_RESERVE_GIB,
                         help=f"activation/graph reserve per GPU in GiB (default {DEFAULT_ACTIVATION_RESERVE_GIB})")
@@ -56,6 +60,33 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=cmd_plan)
     return parser
+
+
+def _fill_from_config(args: argparse.Namespace) -> None:
+    """Flags left out take the kvtide config's values (`--config`), then the defaults; the shape source is required."""
+    if args.config:
+        from kvtide.config import ConfigError, load_config
+
+        try:
+            config = load_config(args.config)
+        except ConfigError as exc:
+            raise PlanError(str(exc)) from None
+        engine = config.engine
+        if args.model is None and args.layers is None:
+            args.model = config.model
+        args.tp = args.tp or engine.tensor_parallel_size
+        args.max_model_len = args.max_model_len or engine.max_model_len
+        args.dtype = args.dtype or (None if engine.dtype == "auto" else engine.dtype)
+        args.gpu_util = args.gpu_util or engine.gpu_memory_utilization
+        kv_cache_dtype = engine.extra_args.get("kv_cache_dtype")
+        if not args.kv_cache_dtype and kv_cache_dtype not in (None, "auto"):
+            args.kv_cache_dtype = kv_cache_dtype
+    if args.model is None and args.layers is None:
+        raise PlanError("give --model DIR, the shape (--layers, --kv-heads, --head-dim) or --config")
+    if args.max_model_len is None:
+        raise PlanError("give --max-model-len (or --config)")
+    args.tp = args.tp or 1
+    args.gpu_util = args.gpu_util or DEFAULT_GPU_MEMORY_UTILIZATION
 
 
 def _shape_from_args(args: argparse.Namespace) -> ModelShape:
@@ -75,6 +106,7 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     try:
+        _fill_from_config(args)
         shape = _shape_from_args(args)
         weights_bytes = None if shape.num_params is None else shape.num_params * bytes_per_elem(shape.dtype)
         kv_shape = shape if not args.kv_cache_dtype else ModelShape(**{**shape.__dict__, "dtype": args.kv_cache_dtype})

@@ -138,3 +138,17 @@ def test_cli_missing_model_dir(tmp_path, capsys):
     code, _, err = run_cli(["plan", "--model", str(tmp_path / "nope"), "--gpu-mem-gib", "80",
                             "--max-model-len", "4096"], capsys)
     assert code == 2 and "config.json" in err
+
+
+def test_cli_reads_model_tp_context_and_kv_cache_dtype_from_a_kvtide_config(tmp_path, capsys):
+    """`kvtide plan --config`: the model, TP size, context and engine.extra_args.kv_cache_dtype come from the
+    config (fp8 KV halves the bytes per token of bf16); a flag given still wins."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B_CONFIG))
+    config = tmp_path / "kvtide.yaml"
+    config.write_text(f"model: {tmp_path}\nengine:\n  tensor_parallel_size: 4\n  max_model_len: 131072\n"
+                      "  extra_args: {kv_cache_dtype: fp8}\nresources: {device: gpu}\n")
+    code, out, _ = run_cli(["plan", "--config", str(config), "--gpu-mem-gib", "139", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["kv_bytes_per_token"] == 327_680 // 2 and data["tensor_parallel_size"] == 4
+    code, out, _ = run_cli(["plan", "--config", str(config), "--gpu-mem-gib", "139", "--tp", "8", "--json"], capsys)
+    assert code == 0 and json.loads(out)["tensor_parallel_size"] == 8
