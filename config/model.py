@@ -291,9 +291,6 @@ class KvtideConfig(Strict):
             if self.model_name in self.lora.adapters:
                 raise ValueError(f"lora.adapters.{self.model_name}: the base model is served under this name; "
                                  "give the adapter another")
-            if self.http.mode == "ingress":
-                raise ValueError("lora.adapters: adapters are served by vLLM's serving layer on the engine "
-                                 "replicas, which http.mode ingress does not run; use http.mode direct")
         share = self.resources.gpus_per_worker
         if share < 1.0 and self.resources.device == "gpu":
             if self.engine.tensor_parallel_size > 1:

@@ -22,6 +22,7 @@ from kvtide.config import KvtideConfig, parse_config
 from kvtide.deployments.frontend.engine_client import HandleEngineClient
 from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.frontend.app import build_frontend, build_openai_app
+from kvtide.deployments.frontend.vllm_layer import HandleVllmApp
 
 READY_TIMEOUT_S = 5.0
 
@@ -36,6 +37,8 @@ class Ingress:
         self.frontend, self.api_keys = build_frontend(
             config, lambda limits: HandleEngineClient(engine, limits), HotPrefixTracker(config.engine.block_size),
             "ingress")
+        # What kvtide's path does not implement goes whole to an engine replica's vLLM layer.
+        self.frontend.vllm_app = HandleVllmApp(engine, self.frontend.vllm_routing_fields)
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.frontend, self.api_keys, self._engine_ready)

@@ -123,3 +123,18 @@ class GenerateDelta:
     # What stopped generation when finish_reason is "stop": the stop string or stop token id
     # matched (None for EOS), as vLLM's server reports it.
     stop_reason: int | str | None = None
+
+
+@dataclass
+class VllmLayerCall:
+    """A request for vLLM's own serving layer on an engine replica (ingress mode): the HTTP request
+    as the frontend received it, with what the engine deployment's request router reads off a
+    call (block_hashes, session_key, prompt, decision), so it is routed like a GenerateRequest."""
+
+    path: str
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
+    block_hashes: tuple[int, ...] = ()
+    session_key: str | None = None
+    prompt: str | None = None
+    decision: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

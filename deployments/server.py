@@ -25,7 +25,7 @@ from __future__ import annotations
 from ray import serve
 
 from kvtide.deployments.engine.replica import EngineReplica
-from kvtide.deployments.engine.vllm_openai import build_vllm_openai_app, system_fingerprint
+from kvtide.deployments.engine.vllm_openai import system_fingerprint
 from kvtide.deployments.frontend.engine_client import LocalEngineClient
 from kvtide.deployments.names import ROUTER_DEPLOYMENT
 from kvtide.deployments.frontend.app import build_frontend, build_openai_app
@@ -43,8 +43,8 @@ class EngineServer(EngineReplica):
             self.config, lambda limits: LocalEngineClient(self.generate, limits), None, "engine server")
         self.frontend.accepts_router_headers = True  # the routing peer's tokens, set by HAProxy: tokenize once
         # vLLM's own OpenAI layer on this engine answers what kvtide's path does not implement.
-        self.frontend.vllm_app = await build_vllm_openai_app(self.config, self.engine)
-        self.frontend.system_fingerprint = system_fingerprint(self.frontend.vllm_app)
+        self.frontend.vllm_app = self.vllm_app
+        self.frontend.system_fingerprint = system_fingerprint(self.vllm_app)
         self.frontend.replica_id = self.replica_id
 
     def __serve_build_asgi_app__(self):

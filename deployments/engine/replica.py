@@ -29,10 +29,11 @@ from kvtide.autoscaling.replica_stats import replica_autoscaling_stats
 from kvtide.autoscaling.warm_start import fleet_view, plan_warmup
 from kvtide.deployments.engine.kv_cache_tracker import KvCacheTracker
 from kvtide.deployments.engine.kv_events import KvEventListener, new_ipc_endpoint
-from kvtide.deployments.messages import GenerateDelta, GenerateRequest
+from kvtide.deployments.messages import GenerateDelta, GenerateRequest, VllmLayerCall
 from kvtide.deployments.names import INGRESS_DEPLOYMENT
 from kvtide.deployments.engine.pending_prefill import PendingPrefill
 from kvtide.deployments.engine.start_phases import describe, start_phases
+from kvtide.deployments.engine.vllm_openai import build_vllm_openai_app
 
 logger = replica_logger("engine")
 
@@ -123,6 +124,9 @@ class EngineReplica:
         # The model's generation_config sampling defaults (temperature, top_k, …), applied to the
         # fields a request leaves unset, as vLLM's OpenAI server applies them.
         self.sampling_defaults = self.engine.vllm_config.model_config.get_diff_sampling_param()
+        # vLLM's own OpenAI app on this engine, for the requests kvtide's path does not implement
+        # (the frontend hands them over in-process in direct mode, over `vllm_openai` in ingress mode).
+        self.vllm_app = await build_vllm_openai_app(self.config, self.engine)
         self.core_pin = engine_core_pin(self.config.resources.device)
         if self.core_pin:
             self.core_pin.apply()
@@ -245,6 +249,38 @@ class EngineReplica:
             raise
         finally:
             self.pending_prefill.done(request.request_id, now_s=time.monotonic())
+
+    async def vllm_openai(self, call: VllmLayerCall) -> AsyncIterator[dict[str, Any]]:
+        """Ingress mode: one request answered by vLLM's own serving layer here, streamed back as the
+        ASGI messages vLLM's app sends. A cancelled stream (the client left, the deadline passed)
+        cancels the app, which aborts the request in the engine."""
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": call.path, "raw_path": call.path.encode(), "root_path": "",
+                 "query_string": b"", "headers": list(call.headers), "client": None, "server": None}
+        messages: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        body_sent = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": call.body, "more_body": False}
+            await asyncio.Event().wait()  # the caller leaving arrives as this generator's cancellation
+            return {"type": "http.disconnect"}
+
+        async def run() -> None:
+            try:
+                await self.vllm_app(scope, receive, messages.put)
+            finally:
+                messages.put_nowait(None)
+
+        task = asyncio.get_running_loop().create_task(run())
+        try:
+            while (message := await messages.get()) is not None:
+                yield message
+            await task  # vLLM's app failing after its last message is this call's failure
+        finally:
+            task.cancel()
 
     def _uncached_tokens(self, request: GenerateRequest) -> int:
         """The prompt tokens this replica must still compute for `request` (its own block set's view)."""

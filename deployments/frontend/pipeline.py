@@ -208,12 +208,26 @@ class OpenAIFrontend:
                 self.metrics.e2e_s.observe(time.perf_counter() - arrived_s, tags)
             self.metrics.on_request_done(model, endpoint, status)
 
+        def on_first_chunk() -> None:
+            if counted:
+                self.metrics.ttft_s.observe(time.perf_counter() - arrived_s, tags)
+
         response = VllmLayerResponse(self.vllm_app, body, deadline.remaining_s(time.monotonic()) if deadline else None,
                                      timeout_error(self.limits, "finish"), on_done,
-                                     {"x-kvtide-replica": self.replica_id} if self.replica_id else None)
+                                     {"x-kvtide-replica": self.replica_id} if self.replica_id else None,
+                                     on_first_chunk)
         if ticket is not None:  # a response the server drops without calling it still frees its slot
             weakref.finalize(response, ticket.release)
         return response
+
+    def vllm_routing_fields(self, body: bytes) -> dict[str, Any]:
+        """A request vLLM's layer answers, as the engine deployment's router sees it (ingress mode):
+        the block hashes of the prompt vLLM will render (adapter and salt in the chain) and its session."""
+        prompt = self.prompts.routing_prompt(body)
+        if prompt is None:
+            return {}
+        return {"block_hashes": self.routing.hashes(prompt.token_ids, prompt.request.cache_salt),
+                "session_key": session_key(prompt, None)}
 
     def _router_header(self, request: Any, name: str) -> str | None:
         """A header the routing peer set (direct mode, via HAProxy); None where a client could have set it."""

@@ -7,8 +7,9 @@ with a value that asks for something, n > 1, usage in every chunk, a batch of pr
 or multimodal messages — is handed whole to vLLM's OpenAI app on the same engine
 (engine/vllm_openai.py), so it is answered exactly as `vllm serve` answers it.
 
-Where no vLLM app runs beside the frontend (http.mode ingress: the frontend has no engine in
-its process) such a request is the 400 of unsupported.py, naming the field.
+In http.mode ingress the frontend has no engine in its process: `HandleVllmApp` sends the
+request whole to an engine replica's `vllm_openai` over the engine handle, routed like any
+other request (by the prompt's block hashes), and relays the messages vLLM's app sends.
 
 The hand-over keeps kvtide's parts around vLLM's: the API key was checked before, the
 admission ticket is held until the response ends, the deadline (frontend.admission
@@ -88,12 +89,16 @@ class VllmLayerResponse(Response):
     """A request handed to vLLM's ASGI app, its body (read already, to choose the path) replayed.
 
     `on_done(status)` runs exactly once when the response ends, however it ends (vLLM's status;
-    504 past the deadline; 499 when the client left first).
+    504 past the deadline; 499 when the client left first). `on_first_chunk()` runs when a
+    stream's first event goes out: vLLM sends it with the first generated token, so it marks
+    the client's time to first token.
     """
 
     def __init__(self, app: Any, body: bytes, timeout_s: float | None, timeout_error: ApiError,
-                 on_done: Callable[[int], None], extra_headers: dict[str, str] | None = None):
+                 on_done: Callable[[int], None], extra_headers: dict[str, str] | None = None,
+                 on_first_chunk: Callable[[], None] = lambda: None):
         super().__init__()
+        self.on_first_chunk = on_first_chunk
         self.app, self.body, self.timeout_s = app, body, timeout_s
         self.timeout_error, self.on_done = timeout_error, on_done
         self.extra_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (extra_headers or {}).items()]
@@ -109,10 +114,16 @@ class VllmLayerResponse(Response):
                 return {"type": "http.request", "body": self.body, "more_body": False}
             return await receive()  # after the body: the client's disconnect, which vLLM watches
 
+        first_chunk = True
+
         async def tracked(message: dict[str, Any]) -> None:
+            nonlocal first_chunk
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), *self.extra_headers]}
                 started.update(message)
+            elif first_chunk and message.get("body") and message.get("more_body"):  # a stream's first event
+                first_chunk = False
+                self.on_first_chunk()
             await send(message)
 
         status = 500
@@ -143,3 +154,30 @@ class VllmLayerResponse(Response):
                         for k, v in started.get("headers", []))
         tail = _sse_error(err.message, "timeout") if is_stream else b""
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+class HandleVllmApp:
+    """Ingress mode's vLLM layer: an ASGI app that has an engine replica's `vllm_openai` answer the request.
+
+    `route(body)` gives the call's routing fields (block hashes, session key), so the engine
+    deployment's request router places it as it places a GenerateRequest.
+    """
+
+    def __init__(self, handle: Any, route: Callable[[bytes], dict[str, Any]]):
+        self.handle = handle
+        self.route = route
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        from starlette._utils import get_route_path
+
+        from kvtide.deployments.messages import VllmLayerCall
+
+        body = (await receive())["body"]  # VllmLayerResponse replays the whole body in one message
+        call = VllmLayerCall(get_route_path(scope), tuple(scope["headers"]), body, **self.route(body))
+        response = self.handle.options(stream=True).vllm_openai.remote(call)
+        try:
+            async for message in response:
+                await send(message)
+        except asyncio.CancelledError:
+            response.cancel()  # aborts the request in the engine
+            raise

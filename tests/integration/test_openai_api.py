@@ -16,11 +16,11 @@ def client(cluster):
     return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def test_models_lists_the_served_model(client, cluster):
-    """GET /v1/models names the one served model and its context length."""
+def test_models_lists_the_served_model(client, cluster, cluster_config):
+    """GET /v1/models names the served model first, then its LoRA adapters, each with the context length."""
     models = client.models.list().data
-    assert [m.id for m in models] == [cluster.model_name]
-    assert models[0].model_extra["max_model_len"] == 4096
+    assert [m.id for m in models] == [cluster.model_name, *cluster_config.lora.adapters]
+    assert all(m.model_extra["max_model_len"] == 4096 for m in models)
 
 
 def test_completion_returns_text_usage_and_finish_reason(client, cluster):

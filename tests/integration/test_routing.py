@@ -144,3 +144,19 @@ def test_ingress_mode_serves_and_both_routers_make_cache_hit_decisions(ingress_m
 
     wait_for(routers_with_new_hits, timeout_s=60, what="cache_hit decisions from two routers")
     assert metric_values(cluster.metrics_url, "ray_kvtide_router_decision_latency_seconds_count")
+
+
+def test_ingress_mode_hands_what_its_own_path_lacks_to_an_engines_vllm_layer(ingress_mode_app):
+    """In ingress mode a request with logprobs and n=2 (and a batch of prompts) is answered by vLLM's layer on an
+    engine replica, reached over the engine handle, streamed or not."""
+    body = {"model": INGRESS_APP, "prompt": "def fibonacci(n):", "max_tokens": 3, "n": 2, "logprobs": 2}
+    with httpx.Client(base_url=ingress_mode_app, timeout=120) as http:
+        answer = http.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        choices = answer.json()["choices"]
+        assert sorted(c["index"] for c in choices) == [0, 1]
+        assert all(len(c["logprobs"]["tokens"]) == 3 for c in choices)
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 7  # 3 tokens x 2 choices, then [DONE]
+

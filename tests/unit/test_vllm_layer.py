@@ -184,14 +184,33 @@ def test_an_adapters_prompt_is_hashed_from_the_adapters_root_as_its_engine_repor
     assert tracker.digest(0.0).hashes() == frozenset(adapter_hashes)
 
 
-def test_adapters_are_models_of_their_own_and_only_in_direct_mode():
-    """/v1/models lists each adapter with the base model as parent; an adapter request goes to vLLM's layer;
-    adapters with http.mode ingress (no vLLM layer there) fail when the config loads."""
+def test_an_adapter_request_goes_to_vllms_layer_and_an_adapter_may_not_take_the_models_name():
+    """A request naming an adapter goes to vLLM's layer (which applies it); the base model's does not; an adapter
+    named like the base model fails when the config loads."""
     assert vllm_layer_field({"model": "sql", "prompt": "x"}, "completions", frozenset({"sql"})) == "model"
     assert vllm_layer_field({"model": "base", "prompt": "x"}, "completions", frozenset({"sql"})) is None
-    with pytest.raises(ConfigError, match="use http.mode direct"):
-        parse_config({"http": {"mode": "ingress"}, "lora": {"adapters": {"sql": "/a"}}})
     with pytest.raises(ConfigError, match="the base model is served under this name"):
         parse_config({"served_model_name": "m", "lora": {"adapters": {"m": "/a"}}})
     assert parse_config({"lora": {"adapters": {"sql": "/a"}, "max_loras": 2}}).lora.engine_args() == {
         "enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
+
+
+def test_a_streams_first_event_marks_its_time_to_first_token_once():
+    """on_first_chunk runs once, at the first event of a stream (not at the headers, not at a one-piece JSON body)."""
+    marks = []
+
+    async def stream(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for event in (b"data: 1\n\n", b"data: 2\n\n"):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def json_body(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    for app, expected in ((stream, ["first"]), (json_body, [])):
+        marks.clear()
+        _run(VllmLayerResponse(app, b"{}", None, _timeout(), lambda s: None,
+                               on_first_chunk=lambda: marks.append("first")), [])
+        assert marks == expected
