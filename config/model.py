@@ -39,7 +39,7 @@ from kvtide.config.base import Strict
 from kvtide.config.routing import RoutingConfig
 from kvtide.config.lora import LoraConfig
 from kvtide.config.serving import ServingConfig
-from kvtide.config.vllm_args import engine_arg_names
+from kvtide.config.vllm_args import check_extra_args, engine_arg_names
 
 # Refused connections after which HAProxy marks a replica down (Ray Serve's
 # `observe layer4 error-limit 3`); see KvtideConfig.ray_process_env.
@@ -98,17 +98,8 @@ class EngineConfig(Strict):
 
     @model_validator(mode="after")
     def _check_extra_args(self) -> "EngineConfig":
-        for name in self.extra_args:
-            if name in type(self).model_fields:
-                raise ValueError(f"engine.extra_args.{name}: kvtide exposes it; set engine.{name} instead")
-            if name in KVTIDE_SETS_ENGINE_ARGS:
-                raise ValueError(f"engine.extra_args.{name}: kvtide sets this engine argument itself "
-                                 f"({KVTIDE_SETS_ENGINE_ARGS[name]}); remove it")
-            known = engine_arg_names()
-            if known is not None and name not in known:
-                close = difflib.get_close_matches(name, sorted(known), n=1)
-                hint = f"; did you mean '{close[0]}'?" if close else ""
-                raise ValueError(f"engine.extra_args.{name}: not an engine argument of the installed vLLM{hint}")
+        check_extra_args("engine", self.extra_args, type(self).model_fields, KVTIDE_SETS_ENGINE_ARGS,
+                         engine_arg_names(), "an engine argument of the installed vLLM")
         return self
 
     @model_validator(mode="after")

@@ -10,13 +10,12 @@ they are set here, not in `engine.extra_args`, so one section says how requests 
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from kvtide.config.base import Strict
-from kvtide.config.vllm_args import frontend_arg_names
+from kvtide.config.vllm_args import check_extra_args, frontend_arg_names
 
 # vLLM server arguments kvtide owns, with why: serving.extra_args may not set them.
 KVTIDE_OWNS_SERVER_ARGS = {
@@ -76,18 +75,8 @@ class ServingConfig(Strict):
     def _check(self) -> "ServingConfig":
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("serving.enable_auto_tool_choice needs serving.tool_call_parser (e.g. hermes)")
-        for name in self.extra_args:
-            if name in type(self).model_fields:
-                raise ValueError(f"serving.extra_args.{name}: kvtide exposes it; set serving.{name} instead")
-            if name in KVTIDE_OWNS_SERVER_ARGS:
-                raise ValueError(f"serving.extra_args.{name}: kvtide sets this itself "
-                                 f"({KVTIDE_OWNS_SERVER_ARGS[name]}); remove it")
-            known = frontend_arg_names()
-            if known is not None and name not in known:
-                close = difflib.get_close_matches(name, sorted(known), n=1)
-                hint = f"; did you mean '{close[0]}'?" if close else ""
-                raise ValueError(f"serving.extra_args.{name}: not an option of the installed vLLM's "
-                                 f"OpenAI server{hint}")
+        check_extra_args("serving", self.extra_args, type(self).model_fields, KVTIDE_OWNS_SERVER_ARGS,
+                         frontend_arg_names(), "an option of the installed vLLM's OpenAI server")
         return self
 
     def engine_args(self) -> dict[str, Any]:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import difflib
 from functools import lru_cache
 from pathlib import Path
+from typing import Iterable, Mapping
 
 
 # Where vLLM versions keep the OpenAI server's FrontendArgs (the newer place first).
@@ -60,3 +62,22 @@ def _dataclass_fields(module: ast.Module, class_names: tuple[str, ...]) -> set[s
                         and not stmt.target.id.startswith("_") and "ClassVar" not in ast.unparse(stmt.annotation)):
                     names.add(stmt.target.id)
     return names
+
+
+def check_extra_args(section: str, names: Iterable[str], exposed: Iterable[str], owned: Mapping[str, str],
+                     known: frozenset[str] | None, kind: str) -> None:
+    """ValueError for the first of `section`.extra_args' `names` that cannot work, naming the fix:
+    a name the section exposes itself, one kvtide sets (`owned`: name → where from), or one the
+    installed vLLM does not know (`known`; None: vLLM not installed, nothing to check), e.g.
+    kind = "an engine argument of the installed vLLM"."""
+    exposed = set(exposed)
+    for name in names:
+        if name in exposed:
+            raise ValueError(f"{section}.extra_args.{name}: kvtide exposes it; set {section}.{name} instead")
+        if name in owned:
+            raise ValueError(f"{section}.extra_args.{name}: kvtide sets this itself ({owned[name]}); remove it")
+        if known is not None and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ValueError(f"{section}.extra_args.{name}: not {kind}{hint}")
+

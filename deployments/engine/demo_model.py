@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 DEMO_SPEC_VERSION = 1
 
@@ -144,20 +145,30 @@ def build_demo_model(spec: DemoModelSpec = DemoModelSpec(), force: bool = False)
     if (target / "config.json").is_file() and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Build next to the target and rename: a crash never leaves a half-written model
-    # that later runs would mistake for a finished one.
-    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-    try:
+    def build(staging: Path) -> None:
         _build_tokenizer(spec, staging)
         _build_weights(spec, staging, staging)
         (staging / "kvtide-demo.json").write_text(json.dumps(asdict(spec), indent=2, sort_keys=True) + "\n")
+
+    return _build_atomically(target, "config.json", build)
+
+
+def _build_atomically(target: Path, marker: str, build: Callable[[Path], None]) -> Path:
+    """`build` into a staging directory beside `target`, then rename it there (`marker`: a file a finished build has).
+
+    Built next to the target and renamed: a crash never leaves a half-written build that later
+    runs would mistake for a finished one.
+    """
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        build(staging)
         if target.exists():
             shutil.rmtree(target)
         try:
             staging.rename(target)
         except OSError:
             # Another process finished the same deterministic build first: use it.
-            if not (target / "config.json").is_file():
+            if not (target / marker).is_file():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -206,18 +217,12 @@ def build_demo_lora(name: str, spec: DemoModelSpec = DemoModelSpec()) -> Path:
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": DEMO_LORA_RANK, "lora_alpha": 2 * DEMO_LORA_RANK,
               "lora_dropout": 0.0, "bias": "none", "target_modules": list(DEMO_LORA_TARGETS),
               "base_model_name_or_path": str(demo_model_dir(spec)), "fan_in_fan_out": False}
-    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-    try:
+
+    def build(staging: Path) -> None:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / "adapter_model.safetensors"))
         (staging / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "adapter_config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+    return _build_atomically(target, "adapter_config.json", build)
 
 
 def resolve_adapter(name: str, path: str) -> str:

@@ -4,9 +4,9 @@ An application written against vLLM's server may send any field of vLLM's reques
 kvtide's own path honours the fields its request models declare (protocol.py). Every other
 field of vLLM's models is listed here with the values that ask for nothing (vLLM's defaults
 and their spellings, e.g. `logprobs: false`, `tools: []`). A request with any other value
-goes to vLLM's own serving layer on the replica (vllm_layer.py); where none runs (http.mode
-ingress) it is refused with a 400 whose `param` names the field, so the client learns at once
-that the answer would not be what it asked for.
+goes to vLLM's own serving layer (vllm_layer.py). kvtide's own parser refuses such a field
+with a 400 whose `param` names it, so should a request with one ever reach kvtide's path, the
+client learns at once that the answer would not be what it asked for, never a silent 200.
 
 A field that neither kvtide nor vLLM knows is ignored, as vLLM's server ignores it (OpenAI
 SDKs add optional keys over time). A unit test checks this table against the installed

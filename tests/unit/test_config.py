@@ -143,7 +143,7 @@ def test_extra_engine_args_reach_the_engine_kwargs():
     ({"kv_cache_dtyp": "fp8"}, "engine.extra_args.kv_cache_dtyp: not an engine argument of the installed vLLM; "
                                "did you mean 'kv_cache_dtype'?"),
     ({"max_model_len": 8}, "engine.extra_args.max_model_len: kvtide exposes it; set engine.max_model_len instead"),
-    ({"kv_events_config": {}}, "engine.extra_args.kv_events_config: kvtide sets this engine argument itself"),
+    ({"kv_events_config": {}}, "engine.extra_args.kv_events_config: kvtide sets this itself"),
 ])
 def test_a_bad_extra_engine_arg_fails_when_the_config_loads_naming_the_fix(extra, needle):
     """A misspelt, exposed or kvtide-owned name is refused at load, in one line naming the fix."""
