@@ -227,7 +227,7 @@ class OpenAIFrontend:
         if prompt is None:
             return {}
         return {"block_hashes": self.routing.hashes(prompt.token_ids, prompt.request.cache_salt),
-                "session_key": session_key(prompt, None)}
+                "session_key": session_key(prompt, None), "prompt": self.routing.prompt_text(prompt.token_ids)}
 
     def _router_header(self, request: Any, name: str) -> str | None:
         """A header the routing peer set (direct mode, via HAProxy); None where a client could have set it."""
