@@ -178,9 +178,14 @@ def chart_properties() -> dict[str, Schema]:
             },
             "RayService spec.upgradeStrategy.",
         ),
+        "proxyLocation": {
+            "enum": ["EveryNode", "HeadOnly"],
+            "description": "Where Ray Serve runs its HTTP proxy (serveConfigV2 proxy_location), and so which pods the Service selects.",
+        },
         "head": _obj(
             {
-                "resources": _resources("CPU/memory of the head pod (no GPUs: Serve controller, proxy, ingress)."),
+                "runsReplicas": _bool("Let Ray place CPU-using Serve replicas on the head; false = num-cpus 0 on the head."),
+                "resources": _resources("CPU/memory of the head pod (no GPUs: Serve controller, proxy, routing peer)."),
                 "nodeSelector": _map("Node labels the head pod requires."),
                 "tolerations": _k8s("Tolerations of the head pod.", "array"),
                 "affinity": _k8s("Affinity of the head pod."),
@@ -240,7 +245,7 @@ def chart_properties() -> dict[str, Schema]:
                 "port": _int("Port of the OpenAI endpoint on the Service.", minimum=1),
                 "annotations": _map("Service annotations."),
             },
-            "The Service of the OpenAI endpoint (selects the serving head pod).",
+            "The Service of the OpenAI endpoint (selects the pods whose Serve proxy is healthy).",
         ),
         "ingress": _obj(
             {
@@ -299,12 +304,38 @@ def chart_properties() -> dict[str, Schema]:
             },
             "Prometheus operator and Grafana objects.",
         ),
+        "gcsFaultTolerance": _obj(
+            {
+                "enabled": _bool("Render rayClusterConfig.gcsFaultToleranceOptions (GCS state in Redis; needs redisAddress)."),
+                "redisAddress": _str("host:port of the Redis the GCS persists its state to."),
+                "redisPassword": _obj(
+                    {
+                        "secretName": _str("An existing Secret holding the Redis password; empty = no password."),
+                        "secretKey": _str("Key inside that Secret.", minLength=1),
+                    }
+                ),
+                "externalStorageNamespace": _str("Redis key namespace of the GCS state; empty = the RayCluster's UID."),
+            },
+            "GCS fault tolerance: a head restart keeps the workers and their engines serving.",
+        ),
         "podDisruptionBudget": _obj(
             {
-                "enabled": _bool("Create a PodDisruptionBudget for the GPU worker pods."),
+                "enabled": _bool("Create PodDisruptionBudgets for the Ray pods."),
                 "maxUnavailable": _int("Worker pods a voluntary disruption may take at once.", minimum=1),
+                "unhealthyPodEvictionPolicy": {
+                    "enum": ["AlwaysAllow", "IfHealthyBudget"],
+                    "description": "When pods that are not Ready may be evicted.",
+                },
+                "head": _obj(
+                    {
+                        "enabled": {
+                            "type": ["boolean", "null"],
+                            "description": "A zero budget for the head pod; null = on unless gcsFaultTolerance.enabled.",
+                        },
+                    }
+                ),
             },
-            "Voluntary-disruption budget of the worker pods.",
+            "Voluntary-disruption budgets of the worker pods and the head.",
         ),
         "networkPolicy": _obj(
             {

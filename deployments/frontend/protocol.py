@@ -57,6 +57,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Output tokens one request may ask for, whatever the context: keeps arithmetic and
 # vLLM's SamplingParams in range; the context-length check refuses anything too long first.
 MAX_TOKENS_LIMIT = 2**31 - 1
+# Most choices one request may ask for (n): each is a sequence in the engine's batch, so a
+# larger n is one client taking the whole engine (vLLM itself sets no bound).
+MAX_CHOICES = 128
 
 
 class StreamOptions(BaseModel):
@@ -85,6 +88,8 @@ class _SamplingFields(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
+    # n > 1 is answered by vLLM's layer (frontend/vllm_layer.py), up to MAX_CHOICES; kvtide's own path
+    # sees n = 1 or a value no server should take.
     n: int = Field(1, ge=1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     user: str | None = None
@@ -113,9 +118,9 @@ class _SamplingFields(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, n: int) -> int:
+    def _choices_in_range(cls, n: int) -> int:
         if n != 1:
-            raise ValueError("only n=1 is supported; send separate requests for several completions")
+            raise ValueError(f"n must be an integer from 1 to {MAX_CHOICES}")
         return n
 
     @field_validator("stop")

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from starlette.responses import Response
 
-from kvtide.deployments.frontend.protocol import ApiError
+from kvtide.deployments.frontend.protocol import MAX_CHOICES, ApiError
 from kvtide.deployments.frontend.unsupported import NOT_HONOURED, first_unhonoured
 
 # What in a chat message only vLLM's layer renders: a tool result turn, an assistant turn's
@@ -64,7 +64,7 @@ def vllm_layer_field(data: Any, endpoint: str, adapters: frozenset[str] = frozen
     if endpoint == "tokenize_chat":
         return None
     n = data.get("n")
-    if n is not None and not (type(n) is int and n == 1):
+    if type(n) is int and 2 <= n <= MAX_CHOICES:  # any other n but 1 is kvtide's 400 naming it
         return "n"
     options = data.get("stream_options")
     if isinstance(options, dict) and options.get("continuous_usage_stats"):

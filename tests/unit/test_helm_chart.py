@@ -80,6 +80,21 @@ CASES: dict[str, dict[str, Any]] = {
         },
         "service": {"type": "LoadBalancer"},
     },
+    "high_availability": {
+        "gcsFaultTolerance": {
+            "enabled": True,
+            "redisAddress": "redis-ha.redis.svc.cluster.local:6379",
+            "redisPassword": {"secretName": "redis-auth", "secretKey": "redis-password"},
+            "externalStorageNamespace": "kvtide-llm",
+        },
+        "kvtide": {"replicas": {"min_replicas": 2, "max_replicas": 4}},
+        "podDisruptionBudget": {"maxUnavailable": 2, "unhealthyPodEvictionPolicy": "IfHealthyBudget", "head": {"enabled": True}},
+    },
+    "head_only_proxy": {
+        "proxyLocation": "HeadOnly",
+        "head": {"runsReplicas": True},
+        "kvtide": {"http": {"mode": "ingress"}},
+    },
 }
 
 
@@ -246,10 +261,13 @@ def _drop_nulls(node: Any) -> Any:
 
 @pytest.mark.parametrize("case", CASES)
 def test_chart_serve_config_equals_kvtide_serve_config(case: str) -> None:
-    """The chart's serveConfigV2 is `kvtide serve-config`'s document, up to the nulls Helm drops."""
+    """The chart's serveConfigV2 is `kvtide serve-config`'s document, up to the nulls Helm drops and proxyLocation."""
     rendered = rendered_serve_config(CASES[case])
     config = parse_config(rendered["applications"][0]["args"])
-    assert rendered == _drop_nulls(serve_config(config))
+    expected = _drop_nulls(serve_config(config))
+    # The one chart value that is not kvtide config; its default is serve-config's EveryNode.
+    expected["proxy_location"] = CASES[case].get("proxyLocation", expected["proxy_location"])
+    assert rendered == expected
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own pydantic-v1-style fields
@@ -261,6 +279,8 @@ def test_serve_config_is_a_valid_ray_serve_deploy_config() -> None:
     (app,) = schema.applications
     assert (app.import_path, app.route_prefix) == ("kvtide.cluster.app:build_app", "/")
     assert schema.http_options.port == 8000 and schema.proxy_location.value == "EveryNode"
+    head_only = ServeDeploySchema.model_validate(rendered_serve_config(CASES["head_only_proxy"]))
+    assert head_only.proxy_location.value == "HeadOnly"
 
 
 def _worker_groups(values: dict[str, Any]) -> list[tuple[str, int, int, int]]:
@@ -336,15 +356,27 @@ def test_autoscaling_follows_the_replicas_mode() -> None:
 
 
 def test_head_has_no_gpus_and_exports_metrics() -> None:
-    """The head runs Serve control plane only: num-gpus 0, dashboard on 0.0.0.0, metrics on 8080."""
+    """The head runs Serve control plane only: num-gpus 0, num-cpus 0, dashboard on 0.0.0.0, metrics on 8080."""
     cluster = rayservice({})["spec"]["rayClusterConfig"]
     assert cluster["rayVersion"] == "2.60.0"
     head = cluster["headGroupSpec"]
-    assert head["rayStartParams"] == {"num-gpus": "0", "dashboard-host": "0.0.0.0", "metrics-export-port": "8080"}
+    assert head["rayStartParams"] == {"num-gpus": "0", "num-cpus": "0", "dashboard-host": "0.0.0.0", "metrics-export-port": "8080"}
     (container,) = head["template"]["spec"]["containers"]
     assert "nvidia.com/gpu" not in json.dumps(container["resources"])
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["serve"] == 8000 and ports["metrics"] == 8080
+
+
+def test_head_runs_replicas_only_when_asked() -> None:
+    """head.runsReplicas drops num-cpus 0 (Ray counts the head's CPUs, or the user's num-cpus); never GPUs."""
+    params = rayservice({"head": {"runsReplicas": True}})["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    assert "num-cpus" not in params and params["num-gpus"] == "0"
+    mine = {"head": {"runsReplicas": True, "rayStartParams": {"num-cpus": "2", "num-gpus": "1"}}}
+    params = rayservice(mine)["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    assert (params["num-cpus"], params["num-gpus"]) == ("2", "0")
+    # Off (the default), the chart's num-cpus 0 wins over the user's.
+    off = {"head": {"rayStartParams": {"num-cpus": "4"}}}
+    assert rayservice(off)["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
 
 
 def test_ports_follow_the_kvtide_http_and_metrics_ports() -> None:
@@ -359,6 +391,8 @@ def test_ports_follow_the_kvtide_http_and_metrics_ports() -> None:
     (head,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in head["ports"]}
     assert (ports["serve"], ports["metrics"]) == (9000, 9090)
+    (worker,) = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"]
+    assert {p["name"]: p["containerPort"] for p in worker["ports"]} == {"serve": 9000, "metrics": 9090}
     assert cluster["headGroupSpec"]["rayStartParams"]["metrics-export-port"] == "9090"
     assert cluster["workerGroupSpecs"][0]["rayStartParams"]["metrics-export-port"] == "9090"
 
@@ -400,18 +434,116 @@ def test_upgrade_strategy_is_configurable() -> None:
 # --- tests: the objects around it --------------------------------------------------------
 
 
-def test_service_targets_the_serving_head_pod() -> None:
-    """The OpenAI Service selects this release's head pod while KubeRay marks it serving."""
-    (svc,) = by_kind(render({}), "Service")
-    assert svc["spec"]["selector"] == {
+def _pod_templates(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The head's and each worker group's pod template, by group name ("head" for the head)."""
+    cluster = rayservice(values)["spec"]["rayClusterConfig"]
+    templates = {"head": cluster["headGroupSpec"]["template"]}
+    templates.update({g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]})
+    return templates
+
+
+def _selects(selector: dict[str, str], template: dict[str, Any], kuberay_labels: dict[str, str]) -> bool:
+    """Whether `selector` matches a pod made from `template` once KubeRay has added its labels."""
+    labels = {**template["metadata"]["labels"], **kuberay_labels}
+    return selector.items() <= labels.items()
+
+
+def _container_ports(template: dict[str, Any]) -> dict[str, int]:
+    (container,) = template["spec"]["containers"]
+    return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+def test_service_targets_the_serving_proxies_on_every_node() -> None:
+    """By default the OpenAI Service selects every Ray pod of the release with a healthy Serve proxy: head and workers."""
+    values = CASES["tp4_several_replicas"]
+    (svc,) = by_kind(render(values), "Service")
+    selector = svc["spec"]["selector"]
+    assert selector == {"app.kubernetes.io/name": "kvtide", "app.kubernetes.io/instance": RELEASE, "ray.io/serve": "true"}
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "serve", "protocol": "TCP"}]
+    templates = _pod_templates(values)
+    assert set(templates) == {"head", "h200x8", "h100x4"}
+    for name, template in templates.items():
+        # KubeRay labels RayService pods ray.io/serve: true on workers (their readiness probe checks the
+        # proxy), and on the head while its proxy passes KubeRay's health check.
+        assert _selects(selector, template, {"ray.io/serve": "true"}), name
+        assert not _selects(selector, template, {"ray.io/serve": "false"}), name
+        assert _container_ports(template)["serve"] == 8000, name  # targetPort "serve" resolves on every pod
+    assert rendered_serve_config(values)["proxy_location"] == "EveryNode"
+
+
+def test_head_only_proxy_location_targets_the_head_alone() -> None:
+    """proxyLocation HeadOnly runs Serve's one proxy on the head and the Service selects the head pod only."""
+    values = CASES["head_only_proxy"]
+    assert rendered_serve_config(values)["proxy_location"] == "HeadOnly"
+    (svc,) = by_kind(render(values), "Service")
+    selector = svc["spec"]["selector"]
+    assert selector == {
         "app.kubernetes.io/name": "kvtide",
         "app.kubernetes.io/instance": RELEASE,
         "app.kubernetes.io/component": "ray-head",
         "ray.io/serve": "true",
     }
-    head_labels = rayservice({})["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["metadata"]["labels"]
-    assert {k: v for k, v in svc["spec"]["selector"].items() if k != "ray.io/serve"}.items() <= head_labels.items()
-    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "serve", "protocol": "TCP"}]
+    templates = _pod_templates(values)
+    assert _selects(selector, templates["head"], {"ray.io/serve": "true"})
+    assert not _selects(selector, templates["gpu"], {"ray.io/serve": "true"})
+
+
+def test_gcs_fault_tolerance_is_rendered_only_when_enabled() -> None:
+    """gcsFaultToleranceOptions appear only with gcsFaultTolerance.enabled, with Redis address and password Secret."""
+    assert "gcsFaultToleranceOptions" not in rayservice({})["spec"]["rayClusterConfig"]
+    off = {"gcsFaultTolerance": {"enabled": False, "redisAddress": "redis:6379"}}
+    assert "gcsFaultToleranceOptions" not in rayservice(off)["spec"]["rayClusterConfig"]
+    cluster = rayservice(CASES["high_availability"])["spec"]["rayClusterConfig"]
+    assert cluster["gcsFaultToleranceOptions"] == {
+        "redisAddress": "redis-ha.redis.svc.cluster.local:6379",
+        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis-auth", "key": "redis-password"}}},
+        "externalStorageNamespace": "kvtide-llm",
+    }
+    # No password Secret and no namespace: KubeRay's defaults (no password, the RayCluster's UID).
+    bare = {"gcsFaultTolerance": {"enabled": True, "redisAddress": "redis:6379"}}
+    assert rayservice(bare)["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"] == {"redisAddress": "redis:6379"}
+    # The head still runs no replica: a head restart leaves the workers' engines serving.
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+
+
+def _budgets(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each PodDisruptionBudget's spec, by name."""
+    return {pdb["metadata"]["name"]: pdb["spec"] for pdb in by_kind(render(values), "PodDisruptionBudget")}
+
+
+def test_disruption_budgets_keep_proxies_serving() -> None:
+    """Workers get a maxUnavailable budget; the head a zero one unless GCS FT makes its restart survivable."""
+    release = {"app.kubernetes.io/name": "kvtide", "app.kubernetes.io/instance": RELEASE}
+    budgets = _budgets({})
+    assert budgets == {
+        f"{FULLNAME}-workers": {
+            "maxUnavailable": 1,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            "selector": {"matchLabels": {**release, "app.kubernetes.io/component": "ray-worker"}},
+        },
+        f"{FULLNAME}-head": {
+            "maxUnavailable": 0,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            "selector": {"matchLabels": {**release, "app.kubernetes.io/component": "ray-head", "ray.io/node-type": "head"}},
+        },
+    }
+    # Each budget covers its pods and no pod is under two budgets (the eviction API refuses those).
+    templates = _pod_templates(CASES["tp4_several_replicas"])
+    kuberay = {"head": {"ray.io/node-type": "head"}}
+    for name, template in templates.items():
+        matching = [b for b, spec in budgets.items()
+                    if _selects(spec["selector"]["matchLabels"], template, kuberay.get(name, {"ray.io/node-type": "worker"}))]
+        assert matching == [f"{FULLNAME}-head" if name == "head" else f"{FULLNAME}-workers"], name
+
+    ha = _budgets(CASES["high_availability"])  # values given; head budget asked for explicitly despite GCS FT
+    assert ha[f"{FULLNAME}-workers"]["maxUnavailable"] == 2
+    assert {spec["unhealthyPodEvictionPolicy"] for spec in ha.values()} == {"IfHealthyBudget"}
+    assert ha[f"{FULLNAME}-head"]["maxUnavailable"] == 0
+    # With GCS FT and no explicit choice the head has no budget, and explicit false drops it too.
+    ft = {"gcsFaultTolerance": {"enabled": True, "redisAddress": "redis:6379"}}
+    assert set(_budgets(ft)) == {f"{FULLNAME}-workers"}
+    assert set(_budgets({"podDisruptionBudget": {"head": {"enabled": False}}})) == {f"{FULLNAME}-workers"}
+    assert not _budgets(CASES["monitoring_off"])
 
 
 def test_monitoring_objects_follow_their_switches() -> None:
@@ -512,8 +644,21 @@ def test_notes_show_port_forward_and_first_request() -> None:
             helm.HelmRenderError,
             r"workerGroups\[1\]\.name=gpu is used twice",
         ),
+        (
+            {"gcsFaultTolerance": {"enabled": True}},
+            helm.HelmRenderError,
+            r"gcsFaultTolerance\.enabled=true needs gcsFaultTolerance\.redisAddress",
+        ),
+        (
+            {"gcsFaultTolerance": {"enabled": True, "redisAddress": "redis:6379"}, "head": {"rayStartParams": {"redis-password": "x"}}},
+            helm.HelmRenderError,
+            r"head\.rayStartParams\.redis-password is set together with gcsFaultTolerance\.enabled=true",
+        ),
+        ({"proxyLocation": "Disabled"}, helm.HelmValuesError, r"/proxyLocation.*EveryNode"),
+        ({"podDisruptionBudget": {"maxUnavailable": 0}}, helm.HelmValuesError, r"/podDisruptionBudget/maxUnavailable"),
     ],
-    ids=["policy", "unknown_key", "float_tp", "chart_key", "min_gt_max", "gpus_not_tp_multiple", "both_replica_forms", "cpu", "pvc_claim", "dup_group"],
+    ids=["policy", "unknown_key", "float_tp", "chart_key", "min_gt_max", "gpus_not_tp_multiple", "both_replica_forms", "cpu",
+         "pvc_claim", "dup_group", "gcs_ft_no_redis", "gcs_ft_redis_param", "proxy_location", "pdb_zero_workers"],
 )
 def test_bad_values_are_rejected_naming_the_field(values: dict, error: type, message: str) -> None:
     """A bad value fails at template time with the field's path in the message."""

@@ -52,7 +52,7 @@ def test_content_parts_are_joined():
 
 
 @pytest.mark.parametrize(("data", "param", "needle"), [
-    ({"model": "m", "prompt": "x", "n": 2}, "n", "only n=1"),
+    ({"model": "m", "prompt": "x", "n": 2}, "n", "n must be an integer from 1 to 128"),
     ({"model": "m", "prompt": "x", "temperature": -1}, "temperature", "greater than or equal to 0"),
     ({"model": "m"}, "prompt", "missing required field"),
     ({"model": "", "prompt": "x"}, "model", "at least 1 character"),

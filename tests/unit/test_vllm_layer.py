@@ -44,6 +44,9 @@ def test_a_field_kvtides_path_does_not_implement_goes_to_vllms_layer(body, endpo
     ({"messages": [{"role": "wizard", "content": "x"}]}, "chat"),   # malformed: kvtide's 400 names it
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}, "chat"),
     ({"prompt": ["one prompt"], "echo": False}, "completions"),
+    ({"messages": USER, "n": 129}, "chat"),                        # more choices than MAX_CHOICES: kvtide's 400
+    ({"messages": USER, "n": True}, "chat"),
+    ({"messages": USER, "n": "2"}, "chat"),
     ("not an object", "chat"),
 ])
 def test_a_plain_or_malformed_request_stays_on_kvtides_path(body, endpoint):

@@ -178,6 +178,30 @@ Cross-field checks the schema cannot express. Included once, from rayservice.yam
 {{- $_ := set $seen $g.name true }}
 {{- $_ := include "kvtide.workerGroupSize" (dict "root" $ "group" $g "index" $i) }}
 {{- end }}
+{{- include "kvtide.validateGcsFaultTolerance" . }}
+{{- end }}
+
+{{/*
+GCS fault tolerance needs a Redis address, and KubeRay rejects a RayCluster that also
+passes Redis settings by hand (rayStartParams, env); say so at template time instead.
+*/}}
+{{- define "kvtide.validateGcsFaultTolerance" -}}
+{{- $ft := .Values.gcsFaultTolerance | default dict }}
+{{- if $ft.enabled }}
+{{- if not $ft.redisAddress }}
+{{- fail "gcsFaultTolerance.enabled=true needs gcsFaultTolerance.redisAddress: the host:port of the Redis the GCS persists its state to (e.g. redis.redis.svc.cluster.local:6379); set it, or set gcsFaultTolerance.enabled=false" }}
+{{- end }}
+{{- range $param := list "redis-password" "redis-username" }}
+{{- if hasKey ($.Values.head.rayStartParams | default dict) $param }}
+{{- fail (printf "head.rayStartParams.%s is set together with gcsFaultTolerance.enabled=true, which KubeRay rejects; remove it (the chart passes the Redis address and password from gcsFaultTolerance)" $param) }}
+{{- end }}
+{{- end }}
+{{- range $e := $.Values.env | default list }}
+{{- if has $e.name (list "RAY_REDIS_ADDRESS" "REDIS_PASSWORD" "REDIS_USERNAME") }}
+{{- fail (printf "env sets %s together with gcsFaultTolerance.enabled=true, which KubeRay rejects; remove it (the chart passes the Redis address and password from gcsFaultTolerance)" $e.name) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -193,12 +217,13 @@ The Ray Serve config: one application whose args are the kvtide config, the same
 {{- end }}
 {{- $app := dict "name" "kvtide" "route_prefix" "/" "import_path" "kvtide.cluster.app:build_app" "args" $args }}
 {{- $http := dict "host" "0.0.0.0" "port" (int (include "kvtide.httpPort" .)) }}
-{{- toYaml (dict "proxy_location" "EveryNode" "http_options" $http "applications" (list $app)) }}
+{{- /* proxyLocation is the one key not from the kvtide config; EveryNode is also serve-config's. */}}
+{{- toYaml (dict "proxy_location" (.Values.proxyLocation | default "EveryNode") "http_options" $http "applications" (list $app)) }}
 {{- end }}
 
 {{/*
-Env, mounts and volumes every Ray pod shares (the head tokenizes, so it needs the model
-files and the token too).
+Env, mounts and volumes every Ray pod shares (the head's routing peer tokenizes, so it
+needs the model files and the token too).
 */}}
 {{- define "kvtide.rayEnv" -}}
 - name: HF_HOME
