@@ -164,6 +164,7 @@ class OpenAIFrontend:
             data = parse_json_body(body)
             if self.vllm_app is not None and (self.vllm_answers_all
                                               or vllm_layer_field(data, endpoint, self.prompts.adapters)):
+                self.prompts.check_common_fields(data, endpoint)
                 streaming = True  # the response holds the ticket until it ends
                 return self.via_vllm(body, endpoint, ticket, deadline, model=served_model(data, self.model_name))
             routed_tokens = self._routed_tokens(request)

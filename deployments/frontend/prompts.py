@@ -43,6 +43,10 @@ from kvtide.deployments.frontend.token_encoder import TokenEncoder
 from kvtide.deployments.frontend.unsupported import refuse_unhonoured
 from kvtide.deployments.frontend.vllm_layer import vllm_layer_field
 
+# Fields kvtide's request models declare that vLLM's layer takes in shapes kvtide's own path does
+# not (n > 1, a batch of prompts, tool or multimodal messages, per-chunk usage): not checked by
+# kvtide's rules when vLLM's layer answers (vLLM checks them), as is `model` (an adapter's name).
+_VLLM_SHAPED_FIELDS = frozenset({"model", "n", "prompt", "messages", "stream_options"})
 # Completions default to 16 output tokens, as OpenAI's legacy endpoint does.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # A JSON escape of a UTF-16 surrogate; only then can a parsed body hold a lone surrogate.
@@ -199,6 +203,20 @@ class PromptBuilder:
             return self.build(endpoint, data)
         except ApiError:
             return None
+
+    def check_common_fields(self, data: Any, endpoint: str) -> None:
+        """400 naming the first field kvtide's own path also takes (sampling, limits, stream) whose value
+        it would refuse, for a request vLLM's layer answers: the same input gets the same answer on
+        both paths, and vLLM never sees what kvtide bounds (a seed past int64, an empty stop string)."""
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object", code="invalid_value")
+        model_cls = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+        common = {k: v for k, v in data.items() if k in model_cls.model_fields and k not in _VLLM_SHAPED_FIELDS}
+        placeholder = {"messages": [{"role": "user", "content": "x"}]} if endpoint == "chat" else {"prompt": "x"}
+        try:
+            model_cls.model_validate({**common, "model": self.model_name, **placeholder})
+        except ValidationError as exc:
+            raise validation_error_to_api(exc.errors()) from None
 
     def _vllm_layer_routing_prompt(self, endpoint: str, data: dict[str, Any]) -> Prompt | None:
         """The prompt vLLM's own layer will render for a request it answers (tools and template options

@@ -217,3 +217,23 @@ def test_a_streams_first_event_marks_its_time_to_first_token_once():
         _run(VllmLayerResponse(app, b"{}", None, _timeout(), lambda s: None,
                                on_first_chunk=lambda: marks.append("first")), [])
         assert marks == expected
+
+
+@pytest.mark.parametrize(("body", "endpoint", "param"), [
+    ({"messages": USER, "logprobs": True, "seed": 2**70}, "chat", "seed"),
+    ({"messages": USER, "tools": [], "n": 2, "stop": [""]}, "chat", "stop"),
+    ({"prompt": "a", "echo": True, "temperature": "hot"}, "completions", "temperature"),
+    ({"prompt": ["a", "b"], "max_tokens": 0}, "completions", "max_tokens"),
+])
+def test_a_field_both_paths_take_is_checked_by_kvtides_rules_before_vllms_layer(body, endpoint, param):
+    """A request for vLLM's layer with a sampling or limit field kvtide refuses gets kvtide's 400 naming it."""
+    from fakes import FakeTokenizer
+
+    from kvtide.deployments.frontend.prompts import PromptBuilder
+
+    prompts = PromptBuilder(parse_config({"model": "/m", "served_model_name": "m"}), FakeTokenizer())
+    with pytest.raises(ApiError) as info:
+        prompts.check_common_fields(body, endpoint)
+    assert (info.value.status, info.value.param) == (400, param)
+    prompts.check_common_fields({"messages": USER, "n": 3, "tools": [], "temperature": 0.5,
+                                 "stream": True, "stream_options": {"continuous_usage_stats": True}}, "chat")
