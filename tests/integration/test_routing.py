@@ -6,6 +6,7 @@ ingress mode with two ingress replicas, whose routers must agree through the dig
 
 from __future__ import annotations
 
+import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -158,5 +159,11 @@ def test_ingress_mode_hands_what_its_own_path_lacks_to_an_engines_vllm_layer(ing
         assert all(len(c["logprobs"]["tokens"]) == 3 for c in choices)
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
             events = [line for line in stream.iter_lines() if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]" and len(events) >= 7  # 3 tokens x 2 choices, then [DONE]
+        assert events[-1] == "data: [DONE]"
+        tokens_by_choice: dict[int, int] = {}
+        for event in events[:-1]:
+            for choice in json.loads(event[6:])["choices"]:
+                tokens_by_choice[choice["index"]] = (tokens_by_choice.get(choice["index"], 0)
+                                                     + len(choice["logprobs"]["tokens"]))
+        assert tokens_by_choice == {0: 3, 1: 3}, events  # vLLM may merge steps into one event; tokens add up
 
