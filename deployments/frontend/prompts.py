@@ -35,6 +35,7 @@ from typing import Any, Sequence
 from pydantic import BaseModel, ValidationError
 
 from kvtide.config import KvtideConfig
+from kvtide.deployments.logs import replica_logger
 from kvtide.deployments.frontend.admission import max_prompt_chars
 from kvtide.deployments.frontend.protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_error_to_api
 from kvtide.deployments.routing.block_hash import chain_key
@@ -47,6 +48,8 @@ from kvtide.deployments.frontend.vllm_layer import vllm_layer_field
 # not (n > 1, a batch of prompts, tool or multimodal messages, per-chunk usage): not checked by
 # kvtide's rules when vLLM's layer answers (vLLM checks them), as is `model` (an adapter's name).
 _VLLM_SHAPED_FIELDS = frozenset({"model", "n", "prompt", "messages", "stream_options"})
+logger = replica_logger("prompts")
+
 # Completions default to 16 output tokens, as OpenAI's legacy endpoint does.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # A JSON escape of a UTF-16 surrogate; only then can a parsed body hold a lone surrogate.
@@ -202,6 +205,9 @@ class PromptBuilder:
                 return self._vllm_layer_routing_prompt(endpoint, data)
             return self.build(endpoint, data)
         except ApiError:
+            return None
+        except Exception as exc:  # a bug on some input must cost routing quality, never the request
+            logger.warning("routing prompt failed (%s); routed by load alone", type(exc).__name__)
             return None
 
     def check_common_fields(self, data: Any, endpoint: str) -> None:

@@ -41,9 +41,11 @@ def _vllm_content(content: Any) -> bool:
 
 
 def _vllm_message(message: Any) -> bool:
+    # Any JSON may arrive here (a role that is a list, …): nothing below may hash or index it blindly.
     if not isinstance(message, dict):
         return False  # not a message at all: kvtide's validation answers the 400
-    return (message.get("role") in _TOOL_ROLES or not _VLLM_MESSAGE_KEYS.isdisjoint(message)
+    role = message.get("role")
+    return ((isinstance(role, str) and role in _TOOL_ROLES) or not _VLLM_MESSAGE_KEYS.isdisjoint(message)
             or _vllm_content(message.get("content")))
 
 

@@ -237,3 +237,31 @@ def test_a_field_both_paths_take_is_checked_by_kvtides_rules_before_vllms_layer(
     assert (info.value.status, info.value.param) == (400, param)
     prompts.check_common_fields({"messages": USER, "n": 3, "tools": [], "temperature": 0.5,
                                  "stream": True, "stream_options": {"continuous_usage_stats": True}}, "chat")
+
+
+JUNK = [None, True, 3, -1.5, "x", [], {}, [[True, None]], {"a": [1]}, [{"role": [1]}], [{"role": {"r": 1}}]]
+
+
+def test_any_json_body_is_classified_without_raising():
+    """Whatever JSON a client sends in any field, choosing the path never raises (a raise would be a 5xx, or a
+    failed HAProxy consult)."""
+    for endpoint in ("chat", "completions", "tokenize_chat"):
+        for field in ("model", "messages", "prompt", "n", "stream_options", "tools", "logprobs", "content"):
+            for value in JUNK:
+                vllm_layer_field({field: value, "messages": [{"role": value, "content": value}]}, endpoint,
+                                 frozenset({"sql"}))
+
+
+def test_the_routing_prompt_of_any_json_body_is_a_prompt_or_none():
+    """The routing peer's prompt of a junk body is None (routed by load), never an exception."""
+    from fakes import FakeTokenizer
+
+    from kvtide.deployments.frontend.prompts import PromptBuilder
+
+    prompts = PromptBuilder(parse_config({"model": "/m", "served_model_name": "m",
+                                          "lora": {"adapters": {"sql": "/a"}}}), FakeTokenizer())
+    for value in JUNK:
+        for body in ({"model": value, "messages": [{"role": value, "content": value}], "tools": value},
+                     {"model": "sql", "prompt": value, "echo": True}, {"messages": value, "logprobs": True}):
+            prompt = prompts.routing_prompt(json.dumps(body).encode())
+            assert prompt is None or prompt.token_ids
