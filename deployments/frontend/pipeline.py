@@ -69,10 +69,11 @@ from kvtide.deployments.frontend.vllm_layer import VllmLayerResponse, vllm_layer
 logger = replica_logger("frontend")
 
 
-def served_model(data: Any, default: str) -> str:
-    """The model a body names (an adapter's or the base model's name), for metric labels; else `default`."""
+def served_model(data: Any, default: str, adapters: frozenset[str]) -> str:
+    """The metric label of a request's model: the adapter it names, else `default` (the base model's
+    name; any other name a client sends is not a label value, so labels stay bounded)."""
     model = data.get("model") if isinstance(data, dict) else None
-    return model if isinstance(model, str) and model else default
+    return model if isinstance(model, str) and model in adapters else default
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -132,8 +133,8 @@ class OpenAIFrontend:
         # and the router's prediction, trust.PREDICTED_CACHED_TOKENS_HEADER); an ingress
         # replica tokenizes and hashes itself.
         self.accepts_router_headers = False
-        # vLLM's own OpenAI app on this replica's engine (direct mode; vllm_layer.py): it answers
-        # what kvtide's path does not implement. None where the frontend has no engine in-process.
+        # vLLM's own OpenAI app (vllm_layer.py): it answers what kvtide's path does not implement.
+        # Direct mode: the replica's own, in-process; ingress mode: an engine's, over the handle.
         self.vllm_app: Any = None
         # vLLM's fingerprint of the serving engine (its layer's, so both paths report the same).
         self.system_fingerprint: str | None = None
@@ -166,7 +167,8 @@ class OpenAIFrontend:
                                               or vllm_layer_field(data, endpoint, self.prompts.adapters)):
                 self.prompts.check_common_fields(data, endpoint)
                 streaming = True  # the response holds the ticket until it ends
-                return self.via_vllm(body, endpoint, ticket, deadline, model=served_model(data, self.model_name))
+                return self.via_vllm(body, endpoint, ticket, deadline,
+                                     model=served_model(data, self.model_name, self.prompts.adapters))
             routed_tokens = self._routed_tokens(request)
             prompt = self.prompts.build(endpoint, data, routed_tokens)
             response = await self._run(endpoint, prompt, deadline, ticket, timing,
