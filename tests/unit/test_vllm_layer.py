@@ -265,3 +265,12 @@ def test_the_routing_prompt_of_any_json_body_is_a_prompt_or_none():
                      {"model": "sql", "prompt": value, "echo": True}, {"messages": value, "logprobs": True}):
             prompt = prompts.routing_prompt(json.dumps(body).encode())
             assert prompt is None or prompt.token_ids
+
+
+def test_the_model_label_is_an_adapter_or_the_base_model_never_a_client_string():
+    """Metric labels stay bounded: an adapter's name labels its requests; any other name is the base model's."""
+    from kvtide.deployments.frontend.pipeline import served_model
+
+    adapters = frozenset({"sql"})
+    assert [served_model(body, "base", adapters) for body in ({"model": "sql"}, {"model": "gpt-9"}, {"model": []},
+                                                              "junk")] == ["sql", "base", "base", "base"]
