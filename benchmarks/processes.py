@@ -65,9 +65,9 @@ def vllm_cli_flags(kwargs: dict[str, Any]) -> list[str]:
 
 def vllm_lora_flags(lora: LoraConfig) -> list[str]:
     """kvtide's `lora.adapters` as `vllm serve`'s --lora-modules (the demo adapters built here)."""
-    from kvtide.deployments.engine.demo_model import resolve_adapter
+    from kvtide.deployments.engine.demo_model import lora_modules
 
-    modules = [f"{name}={resolve_adapter(name, path)}" for name, path in lora.adapters.items()]
+    modules = lora_modules(lora.adapters)
     return ["--lora-modules", *modules] if modules else []
 
 

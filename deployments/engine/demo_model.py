@@ -225,8 +225,8 @@ def build_demo_lora(name: str, spec: DemoModelSpec = DemoModelSpec()) -> Path:
     return _build_atomically(target, "adapter_config.json", build)
 
 
-def resolve_adapter(name: str, path: str) -> str:
-    """lora.adapters' 'demo' → the built demo adapter `name` (building it if needed); a path unchanged."""
+def lora_modules(adapters: dict[str, str]) -> list[str]:
+    """lora.adapters as vLLM's `--lora-modules` values (name=path), a 'demo' path built here first."""
     from kvtide.config.lora import DEMO_ADAPTER
 
-    return str(build_demo_lora(name)) if path == DEMO_ADAPTER else path
+    return [f"{name}={build_demo_lora(name) if path == DEMO_ADAPTER else path}" for name, path in adapters.items()]

@@ -22,7 +22,7 @@ import types
 from typing import Any
 
 from kvtide.config import KvtideConfig
-from kvtide.deployments.engine.demo_model import resolve_adapter
+from kvtide.deployments.engine.demo_model import lora_modules
 from kvtide.deployments.logs import replica_logger
 
 logger = replica_logger("vllm_openai")
@@ -39,21 +39,20 @@ def _first_attr(candidates: tuple[tuple[str, str], ...]) -> Any:
     raise ImportError(f"none of {candidates} is in the installed vLLM")
 
 
-def _parsed_server_args(model_path: str, lora_modules: list[str]) -> Any:
+def _parsed_server_args(model_path: str, adapters: list[str]) -> Any:
     """vLLM's `vllm serve` arguments with every default, for `model_path` and its adapters (name=path)."""
     make_arg_parser = _first_attr((("vllm.entrypoints.launchers.cli_args", "make_arg_parser"),
                                    ("vllm.entrypoints.openai.cli_args", "make_arg_parser")))
     parser_cls = _first_attr((("vllm.utils.argparse_utils", "FlexibleArgumentParser"),
                               ("vllm.utils", "FlexibleArgumentParser")))
-    adapters = ["--lora-modules", *lora_modules] if lora_modules else []
-    return make_arg_parser(parser_cls()).parse_args(["--model", model_path, *adapters])
+    flags = ["--lora-modules", *adapters] if adapters else []
+    return make_arg_parser(parser_cls()).parse_args(["--model", model_path, *flags])
 
 
 def server_args(config: KvtideConfig, engine: Any) -> Any:
     """The argument namespace vLLM's app reads: parser defaults, then kvtide's config, then the engine's configs."""
     vllm_config = engine.vllm_config
-    lora_modules = [f"{name}={resolve_adapter(name, path)}" for name, path in config.lora.adapters.items()]
-    args = _parsed_server_args(vllm_config.model_config.model, lora_modules)
+    args = _parsed_server_args(vllm_config.model_config.model, lora_modules(config.lora.adapters))
     # Cached prompt tokens in usage, as kvtide's own path always reports them (extra_args may turn it off).
     args.enable_prompt_tokens_details = True
     for name, value in config.serving.server_args().items():

@@ -168,7 +168,8 @@ class OpenAIFrontend:
                 self.prompts.check_common_fields(data, endpoint)
                 streaming = True  # the response holds the ticket until it ends
                 return self.via_vllm(body, endpoint, ticket, deadline,
-                                     model=served_model(data, self.model_name, self.prompts.adapters))
+                                     model=served_model(data, self.model_name, self.prompts.adapters),
+                                     arrived_s=timing.arrived_s)
             routed_tokens = self._routed_tokens(request)
             prompt = self.prompts.build(endpoint, data, routed_tokens)
             response = await self._run(endpoint, prompt, deadline, ticket, timing,
@@ -190,13 +191,15 @@ class OpenAIFrontend:
                 ticket.release()
 
     def via_vllm(self, body: bytes, endpoint: str, ticket: _Ticket | None = None,
-                 deadline: Deadline | None = None, counted: bool = True, model: str | None = None) -> VllmLayerResponse:
+                 deadline: Deadline | None = None, counted: bool = True, model: str | None = None,
+                 arrived_s: float | None = None) -> VllmLayerResponse:
         """The request, body and all, answered by vLLM's own serving layer (vllm_layer.py).
 
         `counted`: a generation request, counted in the request metrics like kvtide's own, under
-        `model` (a LoRA adapter's name, or the base model's).
+        `model` (a LoRA adapter's name, or the base model's). `arrived_s` (perf_counter): when the
+        request arrived, so TTFT and e2e include reading its body, as on kvtide's own path.
         """
-        arrived_s = time.perf_counter()
+        arrived_s = time.perf_counter() if arrived_s is None else arrived_s
         model = model or self.model_name
         tags = {"model": model, "endpoint": endpoint}
 

@@ -22,10 +22,12 @@ import asyncio
 import json
 from typing import Any, Callable
 
+from starlette._utils import get_route_path
 from starlette.responses import Response
 
 from kvtide.deployments.frontend.protocol import MAX_CHOICES, ApiError
 from kvtide.deployments.frontend.unsupported import NOT_HONOURED, first_unhonoured
+from kvtide.deployments.messages import VllmLayerCall
 
 # What in a chat message only vLLM's layer renders: a tool result turn, an assistant turn's
 # tool calls or reasoning. (Anything else malformed — an unknown role, no role — is kvtide's
@@ -170,10 +172,6 @@ class HandleVllmApp:
         self.route = route
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        from starlette._utils import get_route_path
-
-        from kvtide.deployments.messages import VllmLayerCall
-
         body = (await receive())["body"]  # VllmLayerResponse replays the whole body in one message
         call = VllmLayerCall(get_route_path(scope), tuple(scope["headers"]), body, **self.route(body))
         response = self.handle.options(stream=True).vllm_openai.remote(call)
