@@ -1,6 +1,6 @@
 # kvtide: the two front-door commands.
 #   make serve   create .venv (first run), build the demo model, serve the OpenAI API on :8000
-#   make test    create .venv (first run), run the test suite (unit + integration)
+#   make test    create .venv (first run), run the test suite (unit + integration, then multi-node)
 #   make soak    the soak-length runs (minutes of steady load on a real cluster)
 PYTHON ?= python3
 VENV := .venv
@@ -37,8 +37,10 @@ prometheus:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null)
 
+# The multi-node tests start a Ray cluster of their own (a process drives one at a time): a run of their own.
 test: $(STAMP) prometheus
-	$(BIN)/python -m pytest -m "not soak" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not soak and not multinode" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m multinode tests/integration $(PYTEST_ARGS)
 
 soak: $(STAMP) prometheus
 	$(BIN)/python -m pytest -m soak tests/integration $(PYTEST_ARGS)

@@ -68,13 +68,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Before start (a signal while starting stops right after) and again after it: ray.init
     # replaces SIGTERM's handler with one that exits with a stack dump.
     install_handlers()
-    print(f"kvtide: starting {config.replicas.initial_replicas} engine replica(s) of {config.model} ...", flush=True)
+    nodes = f" on {args.nodes} Ray nodes" if args.nodes > 1 else ""
+    print(f"kvtide: starting {config.replicas.initial_replicas} engine replica(s) of {config.model}{nodes} ...",
+          flush=True)
     try:
-        cluster = local.start(config)
+        cluster = local.start(config, nodes=args.nodes)
         serving = True
         install_handlers()
         print(f"kvtide: ready. OpenAI API at {cluster.base_url}/v1 (model '{cluster.model_name}'), "
               f"metrics at {cluster.metrics_url}. Ctrl-C stops everything.", flush=True)
+        for node in (cluster.nodes.nodes[1:] if cluster.nodes else []):
+            print(f"kvtide: node {node.plan.index}: OpenAI API at {node.plan.base_url}/v1, "
+                  f"metrics at {node.plan.metrics_url}", flush=True)
+        if cluster.nodes:
+            print("kvtide: the nodes listen on every interface (a node's proxy reaches the other nodes' replicas "
+                  "at their addresses): set API keys (frontend.auth) where the machine is reachable.", flush=True)
         while not received:
             time.sleep(STOP_POLL_S)
     finally:
@@ -102,9 +110,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_config(args: argparse.Namespace) -> int:
-    from kvtide.cluster.serve_config import serve_config_yaml
+    from kvtide.cluster.serve_config import ray_env_exports, serve_config_yaml
 
-    print(serve_config_yaml(_config_from_args(args)), end="")
+    config = _config_from_args(args)
+    print(ray_env_exports(config) if args.env else serve_config_yaml(config), end="")
     return 0
 
 
@@ -114,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_p = sub.add_parser("serve", help="start local Ray and serve the OpenAI API until Ctrl-C")
     _add_config_flags(serve_p)
+    serve_p.add_argument("--nodes", type=int, default=1,
+                         help="start this many Ray nodes on this machine (`ray start`), each with its own "
+                              "proxy (node i on --port + i) and metrics port: a local multi-node demo")
     serve_p.set_defaults(func=cmd_serve)
 
     demo_p = sub.add_parser("demo-model", help="build (or find) the local demo checkpoint; prints its path")
@@ -126,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sc_p = sub.add_parser("serve-config", help="print the Ray Serve config YAML (for `serve deploy`)")
     _add_config_flags(sc_p)
+    sc_p.add_argument("--env", action="store_true",
+                      help="print the process-level Ray settings instead, as `export` lines for every node's "
+                           "`ray start` (eval \"$(kvtide serve-config --env)\")")
     sc_p.set_defaults(func=cmd_serve_config)
 
     from kvtide.autoscaling.cli import register as register_plan

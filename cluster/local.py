@@ -13,8 +13,9 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+from kvtide.cluster.nodes import LocalNodes, remove_temp_dirs, start_nodes
 from kvtide.cluster.startup import FAILURE_PREFIXES, StartupWatch
 from kvtide.config import KvtideConfig
 from kvtide.deployments.engine.placement import logical_cpus_needed
@@ -26,11 +27,12 @@ APP_NAME = "kvtide"
 
 @dataclass(frozen=True)
 class LocalCluster:
-    """Where a running local kvtide answers."""
+    """Where a running local kvtide answers (`nodes`: the Ray nodes, when it spans several)."""
 
     base_url: str
     metrics_url: str
     model_name: str
+    nodes: LocalNodes | None = None
 
 
 def apply_ray_process_env(config: KvtideConfig) -> None:
@@ -54,11 +56,17 @@ def apply_ray_process_env(config: KvtideConfig) -> None:
 
 
 def start(config: KvtideConfig, *, num_cpus: float | None = None,
-          metrics_report_interval_ms: int | None = None) -> LocalCluster:
+          metrics_report_interval_ms: int | None = None, nodes: int = 1,
+          engines_per_node: list[int] | None = None,
+          before_deploy: Callable[[], None] | None = None) -> LocalCluster:
     """Start Ray + Serve and deploy the app; returns once every replica is serving.
 
     `metrics_report_interval_ms` shortens Ray's metric export period (default 10 s);
-    tests use 1 s so what they assert on shows up in the scrape sooner.
+    tests use 1 s so what they assert on shows up in the scrape sooner. `nodes` > 1 starts
+    that many Ray nodes on this machine with `ray start` (cluster/nodes.py: node i serves
+    HTTP on http.port + i, its metrics on metrics.port + i), each offering the CPUs of
+    `engines_per_node[i]` engines (default: the replicas dealt out evenly). `before_deploy`
+    runs once Ray is up, before the app is deployed (a test reserving resources on a node).
     """
     apply_ray_process_env(config)
     import ray
@@ -66,20 +74,39 @@ def start(config: KvtideConfig, *, num_cpus: float | None = None,
 
     from kvtide.cluster.app import build_from_config
 
-    replicas = config.replicas.max_replicas if config.replicas.autoscaling else config.replicas.num_replicas
-    cpus = num_cpus or max(float(os.cpu_count() or 1), logical_cpus_needed(config, replicas or 1) + 1)
-    ray.init(
-        num_cpus=cpus,
-        num_gpus=None if config.resources.device == "gpu" else 0,
-        _metrics_export_port=config.metrics.port,
-        include_dashboard=True,
-        logging_level=logging.WARNING,
-        _system_config=({"metrics_report_interval_ms": metrics_report_interval_ms}
-                        if metrics_report_interval_ms else None),
-    )
+    local_nodes = None
+    if nodes > 1:
+        global _started_nodes
+        _adopt_orphans()  # before `ray start`: its daemons are re-parented here when it exits
+        extra_env = ({"RAY_metrics_report_interval_ms": str(metrics_report_interval_ms)}
+                     if metrics_report_interval_ms else None)
+        try:
+            local_nodes = _started_nodes = start_nodes(config, nodes, engines_per_node, extra_env)
+            ray.init(address=local_nodes.address, logging_level=logging.WARNING)
+        except BaseException:
+            stop()  # the nodes started before the failure
+            raise
+    else:
+        replicas = config.replicas.max_replicas if config.replicas.autoscaling else config.replicas.num_replicas
+        cpus = num_cpus or max(float(os.cpu_count() or 1), logical_cpus_needed(config, replicas or 1) + 1)
+        ray.init(
+            num_cpus=cpus,
+            num_gpus=None if config.resources.device == "gpu" else 0,
+            _metrics_export_port=config.metrics.port,
+            include_dashboard=True,
+            logging_level=logging.WARNING,
+            _system_config=({"metrics_report_interval_ms": metrics_report_interval_ms}
+                            if metrics_report_interval_ms else None),
+        )
     started_s = time.monotonic()
     try:
-        serve.start(http_options={"host": config.http.host, "port": config.http.port})
+        if before_deploy is not None:
+            before_deploy()
+        # A proxy on every node: a client reaches the cluster through any node's port. Across nodes
+        # every address (as serve-config's): a node's HAProxy reaches the others' replicas at their
+        # node's address, and replicas bind the same host as the proxies.
+        host = "0.0.0.0" if nodes > 1 else config.http.host
+        serve.start(proxy_location="EveryNode", http_options={"host": host, "port": config.http.port})
         # Not serve.run: it waits without a bound, and Serve retries a failing replica forever
         # once a sibling runs. _run without blocking is what serve.run calls before its wait.
         serve._run(build_from_config(config), name=APP_NAME, route_prefix="/", _blocking=False)
@@ -93,7 +120,12 @@ def start(config: KvtideConfig, *, num_cpus: float | None = None,
         base_url=f"http://{host}:{config.http.port}",
         metrics_url=f"http://127.0.0.1:{config.metrics.port}/metrics",
         model_name=config.model_name,
+        nodes=local_nodes,
     )
+
+
+# The nodes start() began with `ray start` (None: a single in-process node); stop() removes their temp dirs.
+_started_nodes: LocalNodes | None = None
 
 
 # How long replicas may keep failing to start before start() gives up (see cluster/startup.py).
@@ -158,6 +190,10 @@ def stop(drain_timeout_s: float = STOP_DRAIN_TIMEOUT_S) -> None:
         _stop_engines(started)
     ray.shutdown()
     _terminate_then_kill(started + psutil.Process().children(recursive=True), STOP_KILL_AFTER_S)
+    global _started_nodes
+    if _started_nodes is not None:
+        remove_temp_dirs(_started_nodes)
+        _started_nodes = None
 
 
 # prctl(2) option: orphaned descendants are re-parented to this process instead of init.

@@ -9,6 +9,7 @@ cluster. The chart renders the same structure in helm/kvtide/templates/_helpers.
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 import yaml
@@ -39,5 +40,20 @@ def serve_config(config: KvtideConfig) -> dict[str, Any]:
 
 
 def serve_config_yaml(config: KvtideConfig) -> str:
-    """`serve_config` as YAML, keys in declaration order, for `serve deploy FILE`."""
-    return yaml.safe_dump(serve_config(config), sort_keys=False, default_flow_style=False)
+    """`serve_config` as YAML, keys in declaration order, for `serve deploy FILE`.
+
+    Headed by comments naming the process-level settings (`ray_env_exports`): a Serve config
+    document cannot carry them, as Ray reads them when each node's processes start.
+    """
+    env = "\n".join(f"#   {line}" for line in ray_env_exports(config).splitlines())
+    header = ("# Ray Serve config of a kvtide cluster: `serve deploy` this file.\n"
+              "# Start every Ray node (head and workers) with this environment first: Ray reads it when the\n"
+              "# node's processes start (HAProxy ingress, retries, niceness). The Helm chart sets the same on\n"
+              "# every pod; `kvtide serve-config --env` prints it as shell exports for `ray start`.\n"
+              f"{env}\n")
+    return header + yaml.safe_dump(serve_config(config), sort_keys=False, default_flow_style=False)
+
+
+def ray_env_exports(config: KvtideConfig) -> str:
+    """`export NAME=value` lines of the config's process-level Ray settings (`ray_process_env`)."""
+    return "".join(f"export {name}={shlex.quote(value)}\n" for name, value in config.ray_process_env().items())

@@ -37,6 +37,11 @@ class RoutingConfig(Strict):
     load_guard_factor: float = Field(
         1.25, ge=1.0, description="prefix_aware: a replica above factor x mean load (+ slack) loses its affinity.")
     load_guard_slack: float = Field(2.0, ge=0, description="prefix_aware: requests of slack added to the load guard.")
+    tie_band_tokens: float = Field(
+        512.0, ge=0, description="prefix_aware: replicas under the guard whose cost is within this many tokens of "
+                                 "the best tie for first, and the tie goes by what every router sees alike (the "
+                                 "holders of the prefix, the emptiest engine, rendezvous weights): independent "
+                                 "routers then agree on a group; past it, load decides (0: exact ties only).")
     kv_usage_guard_perc: float = Field(
         0.95, gt=0, le=1.0, description="prefix_aware: a replica whose KV cache is this full counts as overloaded.")
     history_ttl_s: float = Field(

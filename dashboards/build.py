@@ -6,7 +6,8 @@ Four dashboards, each answering one SRE question:
 
     kvtide-overview   are we meeting the SLOs?  TTFT/ITL/e2e p50/p90/p99, req/s, tokens/s, errors, replicas
     kvtide-routing    is the cache working?     prefix-cache hit rate per replica, load imbalance, router,
-                                                whether the router's cache index can be trusted
+                                                whether routers on different nodes agree, whether the
+                                                router's cache index can be trusted
     kvtide-capacity   do we need more engines?  KV usage, waiting, preemptions, replicas, the KV autoscaler
     kvtide-engine     what is this replica doing?  every engine signal, one row per `$replica`
 
@@ -71,11 +72,17 @@ def _quantiles(sel: Selectors, name: str, by: str = "") -> tuple[Query, ...]:
     return tuple(Query(quantile(q, sel, name, by, W), f"{prefix}{label}") for q, label in QUANTILES)
 
 
+def _rate_share(sel: Selectors, name: str, part: dict[str, str], whole: dict[str, str] | None = None,
+                by: str = "") -> str:
+    """rate(`name` matching `part`) / rate(`name` matching `whole`), summed `by`; 0, not "No data", while
+    no series matches `part` (a counter appears at its first increment)."""
+    denominator = rate_sum(sel, name, W, by=by, **(whole or {}))
+    return f"({rate_sum(sel, name, W, by=by, **part)} or {denominator} * 0) / {denominator}"
+
+
 def _share(sel: Selectors, status_regex: str) -> str:
     """Share of frontend requests whose status matches; 0 (not "No data") while none did."""
-    total = rate_sum(sel, "ray_kvtide_requests_total", W)
-    part = rate_sum(sel, "ray_kvtide_requests_total", W, status=status_regex)
-    return f"({part} or {total} * 0) / {total}"
+    return _rate_share(sel, "ray_kvtide_requests_total", {"status": status_regex})
 
 
 def _per_replica_rate(sel: Selectors, name: str) -> str:
@@ -96,11 +103,8 @@ def _hit_rate(sel: Selectors, by: str) -> str:
 
 
 def _prediction_share(sel: Selectors, part: str, whole: str) -> str:
-    """rate(predictions with outcome `part`) / rate(those with outcome in `whole`); 0, not "No data", while
-    no `part` outcome has happened yet (a counter appears at its first increment)."""
-    name = "ray_kvtide_router_predictions_total"
-    denominator = rate_sum(sel, name, W, outcome=whole)
-    return f"({rate_sum(sel, name, W, outcome=part)} or {denominator} * 0) / {denominator}"
+    """rate(predictions with outcome `part`) / rate(those with outcome in `whole`)."""
+    return _rate_share(sel, "ray_kvtide_router_predictions_total", {"outcome": part}, {"outcome": whole})
 
 
 def _replicas_panel() -> PanelSpec:
@@ -179,6 +183,7 @@ def routing() -> DashboardSpec:
     waiting = S("ray_vllm_num_requests_waiting")
     in_flight = f"sum by (ReplicaId) ({running}) + sum by (ReplicaId) ({waiting})"
     prompt_rate = _per_replica_rate(S, "ray_vllm_prompt_tokens_total")
+    agreement = "ray_kvtide_router_agreement_checks_total"
     cache = RowSpec("Prefix cache", (
         PanelSpec("Prefix-cache hit rate per replica", (Query(_hit_rate(S, "ReplicaId"), "{{ReplicaId}}"),),
                   unit="percentunit", max=1, width=16, preview=True,
@@ -214,6 +219,25 @@ def routing() -> DashboardSpec:
                   preview=True),
         PanelSpec("Routing decision latency", _quantiles(S, "ray_kvtide_router_decision_latency_seconds"), unit="s",
                   width=6),
+        PanelSpec("Router agreement per node (share of checked picks)",
+                  (Query(_rate_share(S, agreement, {"agrees": "true"}, by="NodeAddress"), "{{NodeAddress}}"),),
+                  unit="percentunit", max=1, width=12,
+                  description="Routers share no state: one per node, they agree because they read the same "
+                              "engine digests and break ties by rendezvous hashing. A sample of each router's "
+                              "decisions is ranked again from that shared state alone (no routing history of "
+                              "its own, no session memory, no hot-prefix replication); this is the share whose "
+                              "first choice is the same, i.e. a pick a router on another node would make too. "
+                              "Low: picks follow what this router alone remembers, so routers on different "
+                              "nodes send one prefix to different replicas (split caches, repeated prefills). "
+                              "Expected to dip with sticky sessions, hot-prefix replication and bursts of new "
+                              "prefixes before the next digest; the next panel says which."),
+        PanelSpec("Agreement checks / s by reason",
+                  (Query(rate_sum(S, agreement, W, by="reason"), "{{reason}}"),),
+                  unit="ops", width=12,
+                  description="Checked picks, by what moved a pick off the shared-state choice: session (the "
+                              "replica of the session's last turn), history (blocks this router routed that no "
+                              "digest shows yet), replication (a hot prefix group's credit on a member), other. "
+                              "none: the pick agreed."),
     ))
     predictions = "ray_kvtide_router_predictions_total"
     trust = RowSpec("Index trust (router prediction vs engine)", (

@@ -93,6 +93,7 @@ ADMISSION_REJECTED = "a first request refused by admission control (429 at capac
 PREDICTION_CHECKED = "routing.policy prefix_aware and one finished request it routed"
 PREDICTED_HIT_CHECKED = "routing.policy prefix_aware and one finished request with a cache hit predicted or reported"
 DIGEST_HELD = "routing.policy prefix_aware with engine prefix caching on (engines report cache digests)"
+AGREEMENT_CHECKED = "routing.policy prefix_aware, two engine replicas or more, and one request with a full block"
 
 CATALOG: tuple[Metric, ...] = (
     # --- frontend (deployments/frontend/metrics.py) --------------------------------------
@@ -151,6 +152,13 @@ CATALOG: tuple[Metric, ...] = (
            "the router's wall clock minus the engine's stamp (host clock skew included). Set at most twice a "
            "second, when stats arrive or a decision is made; a replica that left stops being set and Ray's "
            "agent drops its series after two export intervals.", needs=DIGEST_HELD),
+    Metric("ray_kvtide_router_agreement_checks_total", _C, _R, ("policy", "agrees", "reason"), "decisions",
+           "Sampled routing decisions (one in AGREEMENT_SAMPLE_EVERY of those with a full block and two candidates "
+           "or more, deployments/routing/agreement.py) ranked again from shared state alone: the engines' digests "
+           "and the same snapshots, without this router's routing history, session memory or hot-group demand. "
+           "agrees: true when the first choice is the same (a router on another node would pick alike); reason, "
+           "when false: the private input that moved the pick (session, history, replication, other); none when "
+           "it agrees.", needs=AGREEMENT_CHECKED),
     # --- autoscaler (autoscaling/metrics.py) ----------------------------------------------
     Metric("ray_kvtide_autoscaler_desired_replicas", _G, _A, _AUTO, "replicas",
            "Engine replicas the KV autoscaler wants (running + starting), after bounds.", needs=AUTOSCALING_ON),

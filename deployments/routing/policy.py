@@ -40,6 +40,9 @@ Algorithm, one decision:
                  every replica under the guard comes before every replica over it,
                  whatever its affinity, credit or session; under the guard the session's
                  replica comes first
+    tied         the replicas on the first place's side of the guard whose cost is within
+                 tie_band_tokens of its cost, if the first place holds some of the request and
+                 the group is not hot (k < 2); else those of exactly its cost
     tiebreak     replicas tied for FIRST place are reordered by rendezvous weight of the
                  session key; else, by g: the tied replicas holding most of the request
                  first, or, if none holds any, the engine holding the fewest blocks first
@@ -89,7 +92,15 @@ Consequences, each pinned by a unit test:
   replica id, and the replica set of a hot group is rendezvous too. Breaking ties on the
   prefix group (not on the first block, often the chat template's header that every
   request shares) also spreads different prefixes over equal replicas instead of
-  herding them onto one.
+  herding them onto one. What a router keeps to itself (routing history, session memory,
+  group demand) can still move its pick; `deployments.routing.agreement` measures how
+  often, on a sample of decisions ranked again from shared state alone.
+- Routers agree on a held prefix despite their load views: two replicas holding a group
+  within the band of each other's cost tie, and the tie goes to the group's rendezvous owner
+  among them, so routers whose loads differ by a request or two (each counts its own picks)
+  still send the group to one replica, and a copy made by two routers' simultaneous first
+  requests is left to age out instead of both being kept warm. Past the band load decides; a
+  cold prompt (nobody holds it) and a hot group's members still go by load between reports.
 - `limit >= mean >= min(load)` when factor >= 1 and slack >= 0, so at least one replica
   is always under the load guard; RoutingConfig's field bounds enforce them. (The
   KV guard can mark every replica; then all rank by cost alone, still load-aware.)
@@ -119,6 +130,10 @@ and why:
   bounded loads; no replica takes more than 25 % above the mean for affinity's sake.
 - load_guard_slack = 2.0 (requests): keeps the guard from firing on noise at low load
   (mean 1 → limit 3.25, not 1.25), where a queue of 2 costs less than a 2k prefill.
+- tie_band_tokens = 512: two queued requests (tokens_per_queued_request = 256). Load views of
+  routers on different nodes differ by their own recent picks, a request or two; within that,
+  holders of the prefix tie and the owner takes the group. A 2k cold prompt's booking (~1,800
+  tokens) is far past it, so a replica caught mid-prefill still repels the next request.
 - kv_usage_guard_perc = 0.95: a replica whose KV cache is this full by running
   requests would preempt or evict to admit a new prefill; it counts as over the guard
   for a request it holds less than half of (a hit adds few blocks; under overload every
@@ -155,7 +170,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Generator, Literal, Sequence
+from typing import Generator, Literal, Mapping, Sequence
 
 from kvtide.config import RoutingConfig
 from kvtide.deployments.routing import rendezvous
@@ -196,11 +211,14 @@ def route_of(decision: RoutingDecision) -> str:
 def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshots: Sequence[ReplicaSnapshot],
                   index: PrefixIndex, tunables: RoutingConfig, rng: random.Random, *, now_s: float,
                   session_key: str | None = None, demand: PrefixDemand | None = None,
-                  sessions: SessionTable | None = None) -> RoutingDecision:
+                  sessions: SessionTable | None = None,
+                  prefix_match: Mapping[str, int] | None = None) -> RoutingDecision:
     """Rank `snapshots`' replicas for a request whose full blocks hash to `request_hashes`.
 
     Without `demand` there is no replication, without `sessions` no stickiness (the
-    session key still breaks ties); the inputs are only read.
+    session key still breaks ties); the inputs are only read. `prefix_match`: the index's
+    match for `request_hashes` when the caller has it already (the agreement check passes
+    engine truth alone, `index.match(..., engine_only=True)`); None: `index.match`.
     """
     if not snapshots:
         return RoutingDecision([], "no_match", 0)
@@ -223,7 +241,10 @@ def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshot
         work_limit = factor * (sum(work) / len(work)) + slack * per_request + num_blocks * block_size
     else:
         work, work_limit = loads, limit
-    matched = index.match(request_hashes, now_s) if request_hashes else {}
+    if prefix_match is None:
+        matched = index.match(request_hashes, now_s) if request_hashes else {}
+    else:
+        matched = prefix_match
     if matched:
         matched_get = matched.get
         blocks_of = [matched_get(rid, 0) for rid in ids]  # only replicas we may use
@@ -260,7 +281,12 @@ def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshot
     order.sort(key=costs.__getitem__)
     order, first_sticky = _partition(order, over, ids, sticky)
     if not first_sticky and len(order) > 1:
-        tied = _tied_for_first(order, over, costs)
+        # Replicas holding the prefix within the band of the best cost tie (routers agree on its
+        # owner, whatever their load views). Exact ties only for a prefix the first place does not
+        # hold (cold prompts spread by load between reports) and for a hot group (k >= 2), whose
+        # members share it by load.
+        band = tunables.tie_band_tokens if k < 2 and blocks_of[order[0]] > 0 else 0.0
+        tied = _tied_for_first(order, over, costs, band)
         if tied > 1:
             order[:tied] = _break_tie_for_first(order[:tied], ids, blocks_of, session_key, group, rng, index)
     picked_blocks = blocks_of[order[0]]
@@ -307,12 +333,13 @@ def _partition(order: list[int], over: list[bool], ids: list[str], sticky: str |
     return order, False
 
 
-def _tied_for_first(order: list[int], over: list[bool], costs: list[float]) -> int:
-    """How many replicas share the first place's (guard, cost): the ones the tiebreak reorders."""
+def _tied_for_first(order: list[int], over: list[bool], costs: list[float], band: float) -> int:
+    """How many replicas share the first place: its guard side and a cost within `band` tokens of its
+    cost (`order` is sorted by cost on each side). They are the ones the tiebreak reorders."""
     first = order[0]
-    first_over, first_cost = over[first], costs[first]
+    first_over, worst_cost = over[first], costs[first] + band
     end = 1
-    while end < len(order) and costs[order[end]] == first_cost and over[order[end]] == first_over:
+    while end < len(order) and costs[order[end]] <= worst_cost and over[order[end]] == first_over:
         end += 1
     return end
 

@@ -19,6 +19,9 @@ at the next report. A report that is not newer than the last one applied is igno
 resurrection by a late report); one that neither delta nor full set can apply leaves the
 replica's set at the last exact state applied (protocol: `snapshot`).
 
+`match(..., engine_only=True)` reads engine truth alone: what every router fed the same
+digests sees, whatever it routed itself (the agreement check, `deployments.routing.agreement`).
+
 Holders as bits: each replica the index knows gets one bit (`_bit[rid]`, `_rid_of[bit]`), and
 `_engine[h]` is the OR of its holders' bits, a plain int. Why: `match` narrows ~32 candidates
 over ~40 blocks per decision, and with ints a whole chunk of blocks is checked against every
@@ -66,13 +69,16 @@ from collections import deque
 from functools import reduce
 from itertools import islice, repeat
 from operator import and_
-from typing import Generator, Iterable, Iterator, Sequence
+from types import MappingProxyType
+from typing import Generator, Iterable, Iterator, Mapping, Sequence
 
 from kvtide.deployments.routing.block_hash import BlockHash
 from kvtide.deployments.routing.snapshot import BlockDelta, CacheDigest, unpack_hashes
 
 _NEVER = float("-inf")
 _NO_BLOCKS: frozenset[BlockHash] = frozenset()
+_Owners = tuple[int, float] | dict[int, float]  # a block's routed owners: (bit, expires_s) or {bit: expires_s}
+_NO_ROUTED: Mapping[BlockHash, _Owners] = MappingProxyType({})  # the routing history `match(engine_only)` reads
 # on_routed prunes routing history this far ahead of its clock: an entry goes up to this much
 # before its TTL (10 s by default), and the decisions made within this time of the last
 # booking find nothing expired left (when pruning keeps up with its budget, below), which lets
@@ -393,7 +399,7 @@ class PrefixIndex:
             bits ^= low
         return out
 
-    def match(self, hashes: Sequence[BlockHash], now_s: float) -> dict[str, int]:
+    def match(self, hashes: Sequence[BlockHash], now_s: float, engine_only: bool = False) -> dict[str, int]:
         """Longest cached prefix per replica, in blocks; replicas matching nothing are absent.
 
         One walk over the request's hashes, narrowing the candidates (bits): the holders of
@@ -402,24 +408,34 @@ class PrefixIndex:
         left. O(len(hashes)) lookups, checked a chunk at a time in C; a Python step only per
         block of a chunk some candidate lacks, and per routed owner or dropped replica there.
         Once one candidate is left, `_match_one` walks that replica's own block set.
+
+        `engine_only`: engine truth alone, the match any router fed the same digests computes,
+        whatever it routed itself (`deployments.routing.agreement`). The same walk over an
+        empty routing history, so the two answers differ only by this router's own history.
         """
         if not hashes:
             return {}
-        # When no routing-history entry has expired by now (the queue's head is the earliest
-        # expiry), the slow path below takes every routed owner as live instead of reading
-        # each one's expiry. on_routed prunes a little ahead (EXPIRY_LOOKAHEAD_S) so that
-        # this holds for the decisions that follow it.
-        queue = self._expiry
-        all_live = self._expiry_ordered and (not queue or queue[0][0] > now_s)
-        candidates = self._holder_bits(hashes[0], now_s, all_live)
+        if engine_only:
+            routed: Mapping[BlockHash, _Owners] = _NO_ROUTED
+            all_live = True  # nothing to expire
+            candidates = self._engine.get(hashes[0], 0)
+        else:
+            routed = self._routed
+            # When no routing-history entry has expired by now (the queue's head is the earliest
+            # expiry), the slow path below takes every routed owner as live instead of reading
+            # each one's expiry. on_routed prunes a little ahead (EXPIRY_LOOKAHEAD_S) so that
+            # this holds for the decisions that follow it.
+            queue = self._expiry
+            all_live = self._expiry_ordered and (not queue or queue[0][0] > now_s)
+            candidates = self._holder_bits(hashes[0], now_s, all_live)
         matched: dict[str, int] = {}
         if not candidates:
             return matched
-        engine_get, routed_get, rids_of_bits = self._engine.get, self._routed.get, self._rids_of_bits
+        engine_get, routed_get, rids_of_bits = self._engine.get, routed.get, self._rids_of_bits
         num_blocks, depth = len(hashes), 1
         while depth < num_blocks:
             if not candidates & (candidates - 1):  # one candidate left: its own set is cheaper
-                return self._match_one(hashes, depth, candidates, now_s, all_live, matched)
+                return self._match_one(hashes, depth, candidates, now_s, all_live, matched, routed)
             # The holders of the next chunk of blocks, looked up in one C-level pass.
             chunk = list(map(engine_get, hashes[depth:depth + MATCH_CHUNK_BLOCKS], repeat(0)))
             # Fast path: every surviving candidate is confirmed by the engines on every block of
@@ -478,18 +494,18 @@ class PrefixIndex:
         return out
 
     def _match_one(self, hashes: Sequence[BlockHash], depth: int, candidate: int, now_s: float, all_live: bool,
-                   matched: dict[str, int]) -> dict[str, int]:
+                   matched: dict[str, int], routed: Mapping[BlockHash, _Owners]) -> dict[str, int]:
         """`match` from `depth` on with one candidate left (its bit): the walk past a shared prompt
         into one conversation's history, the longest and coldest part.
 
         Its engine set is one replica's blocks (a few thousand), so a membership test touches
         less memory than the index's lookup (all blocks of all replicas), and `issuperset`
         runs a chunk's tests in C, stopping at the first block the engine lacks; only there is
-        the routing history read.
+        the routing history (`routed`: `match`'s, empty for engine truth alone) read.
         """
         rid = self._rid_of[candidate]
         blocks = self._engine_blocks.get(rid, _NO_BLOCKS)
-        routed_get = self._routed.get
+        routed_get = routed.get
         num_blocks = len(hashes)
         while depth < num_blocks:
             chunk = hashes[depth:depth + MATCH_CHUNK_BLOCKS]

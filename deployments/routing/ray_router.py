@@ -40,6 +40,13 @@ stats arrive or a decision is made. Ray's metrics API cannot delete a series: a 
 that left is simply no longer set, and Ray's metrics agent drops a gauge not set for two
 export intervals (~20 s by default).
 
+Agreement (`deployments.routing.agreement`): one in `AGREEMENT_SAMPLE_EVERY` decisions with
+a full block and two candidates or more is ranked again from shared state alone (engine
+truth, the same snapshots, no routing history, session memory or group demand) and counted
+by whether its first choice is the same (`kvtide_router_agreement_checks`): a pick moved by
+this router's private memory is one a router on another node would not make. The check runs
+after the decision's latency is taken: that histogram stays the policy's own cost.
+
 The policy lives in `deployments.routing.policy`, its tunables in `kvtide.config.RoutingConfig`;
 this module only adapts.
 """
@@ -57,6 +64,7 @@ from ray.util import metrics
 
 from kvtide.config import RoutingConfig
 from kvtide.deployments.messages import RoutingKey
+from kvtide.deployments.routing.agreement import Agreement, AgreementSampler
 from kvtide.deployments.routing.fleet import DIGEST_SLICE_BLOCKS, FleetView
 from kvtide.deployments.routing.policy import RouterState, route_of
 from kvtide.deployments.routing.trust import write_prediction
@@ -71,7 +79,7 @@ DIGEST_AGE_RECORD_INTERVAL_S = 0.5
 
 
 class RouterMetrics:
-    """Routing decisions by policy and outcome, matched-prefix tokens, decision latency."""
+    """Routing decisions by policy and outcome, matched-prefix tokens, decision latency, sampled agreement."""
 
     def __init__(self) -> None:
         self.decisions = metrics.Counter(
@@ -87,6 +95,18 @@ class RouterMetrics:
         self.digest_age_s = metrics.Gauge(
             "kvtide_router_digest_age_seconds", "Age of the newest cache digest this router holds, per engine "
             "replica (router's wall clock minus the engine's stamp).", tag_keys=("replica",))
+        self.agreement_checks = metrics.Counter(
+            "kvtide_router_agreement_checks", "Sampled decisions ranked again from shared state alone (engine "
+            "digests, the same snapshots; no routing history, session memory or replication demand), by whether "
+            "the first choice agrees (true, false) and, if not, the private input that moved it (reason: session, "
+            "history, replication, other; none when it agrees).", tag_keys=("policy", "agrees", "reason"))
+
+
+def agreement_tags(agreement: Agreement) -> dict[str, str]:
+    """The agreement counter's `agrees` and `reason` tags (Ray requires every tag key: "none" when it agrees)."""
+    if agreement.agrees:
+        return {"agrees": "true", "reason": "none"}
+    return {"agrees": "false", "reason": agreement.reason or "other"}
 
 
 def _request_hashes(pending_request: Optional[PendingRequest]) -> tuple[int, ...]:
@@ -129,6 +149,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         self._slices_scheduled = False
         self._rng = random.Random(seed)
         self._metrics = RouterMetrics()
+        self._agreement = AgreementSampler()
         self._digest_ages_set_s = float("-inf")  # monotonic time of the last digest-age pass
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
@@ -180,6 +201,10 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         self._metrics.decision_s.observe((time.perf_counter_ns() - started_ns) / 1e9, tags)
         self._metrics.decisions.inc(1, {**tags, "outcome": decision.outcome, "route": route_of(decision)})
         self._metrics.matched_tokens.observe(decision.matched_tokens, tags)
+        agreement = self._agreement.check(self._state, decision, hashes, snapshots, now_s=now_s,
+                                          session_key=session_key)
+        if agreement is not None:
+            self._metrics.agreement_checks.inc(1, {**tags, **agreement_tags(agreement)})
         slot = _decision_slot(pending_request)
         if slot is not None and decision.ranked:
             # The prediction for the replica Ray tries first; the frontend drops it if another served.

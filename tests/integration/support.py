@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+import shutil
+import socket
+import subprocess
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import httpx
 
@@ -84,3 +89,78 @@ def engine_actor_names(app: str) -> list[str]:
 
     prefix = f"SERVE_REPLICA::{app}#Engine#"
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
+
+
+# --- a real Prometheus --------------------------------------------------------------------------
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Prom:
+    """A Prometheus process and its HTTP API."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.http = httpx.Client(base_url=url, timeout=30)
+
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        params = {"query": expr, **({"time": at} if at else {})}
+        body = self.http.get("/api/v1/query", params=params).json()
+        assert body["status"] == "success", f"{expr}: {body}"
+        return body["data"]["result"]
+
+    def query_range(self, expr: str, start: float, end: float, step_s: float) -> list[dict[str, Any]]:
+        body = self.http.get("/api/v1/query_range",
+                             params={"query": expr, "start": start, "end": end, "step": step_s}).json()
+        assert body["status"] == "success", f"{expr}: {body}"
+        return body["data"]["result"]
+
+    def names(self) -> set[str]:
+        return set(self.http.get("/api/v1/label/__name__/values").json()["data"])
+
+
+def finite(result: list[dict[str, Any]]) -> bool:
+    """Whether a query result holds at least one finite value."""
+    return any(math.isfinite(float(r["value"][1])) for r in result)
+
+
+@contextlib.contextmanager
+def running_prometheus(work: Path, scrape_configs: str, rule_files: list[str] = ()) -> Iterator[Prom]:
+    """Debian's Prometheus scraping every second with `scrape_configs` (YAML list items), stopped on exit."""
+    if not Path(PROMETHEUS).exists():
+        raise AssertionError("prometheus binary missing: apt-get install -y --no-install-recommends prometheus")
+    port = free_port()
+    (work / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: {list(map(str, rule_files))}\n"
+        "scrape_configs:\n" + scrape_configs)
+    log = open(work / "prometheus.log", "w")
+    proc = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=log, stderr=subprocess.STDOUT)
+    prom = Prom(f"http://127.0.0.1:{port}")
+    try:
+        def ready() -> bool:
+            assert proc.poll() is None, (work / "prometheus.log").read_text()
+            try:
+                return prom.http.get("/-/ready").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(ready, 60, 0.2, "Prometheus to be ready")
+        yield prom
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

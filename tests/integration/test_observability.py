@@ -32,11 +32,7 @@ import concurrent.futures
 import math
 import random
 import re
-import shutil
-import socket
-import subprocess
 import time
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -45,84 +41,25 @@ import pytest
 
 import ray
 from ray import serve
-from support import deploy_app, engine_actor_names, metric_sum, metric_values, running_engines, wait_for
+from support import (Prom, deploy_app, engine_actor_names, finite, metric_sum, metric_values, running_engines,
+                     running_prometheus, wait_for)
 
 from kvtide.dashboards import alerts, build
 from kvtide.dashboards.catalog import CATALOG, series_names
 from kvtide.dashboards.promql import Selectors, resolve_grafana_vars
 
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PREVIEWS = build.REPO_ROOT / "dashboards" / "previews"
 PRESSURE_APP = "kvtide-pressure"
 PRESSURE_GATE = 4  # requests the pressure app's ingress admits at once
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Prom:
-    """A Prometheus process and its HTTP API."""
-
-    def __init__(self, url: str):
-        self.url = url
-        self.http = httpx.Client(base_url=url, timeout=30)
-
-    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
-        params = {"query": expr, **({"time": at} if at else {})}
-        body = self.http.get("/api/v1/query", params=params).json()
-        assert body["status"] == "success", f"{expr}: {body}"
-        return body["data"]["result"]
-
-    def query_range(self, expr: str, start: float, end: float, step_s: float) -> list[dict[str, Any]]:
-        body = self.http.get("/api/v1/query_range",
-                             params={"query": expr, "start": start, "end": end, "step": step_s}).json()
-        assert body["status"] == "success", f"{expr}: {body}"
-        return body["data"]["result"]
-
-    def names(self) -> set[str]:
-        return set(self.http.get("/api/v1/label/__name__/values").json()["data"])
-
-
 @pytest.fixture(scope="module")
 def prometheus(cluster, tmp_path_factory) -> Prom:
-    if not Path(PROMETHEUS).exists():
-        pytest.fail("prometheus binary missing: apt-get install -y --no-install-recommends prometheus")
-    work = tmp_path_factory.mktemp("prometheus")
     target = urlparse(cluster.metrics_url)
-    port = _free_port()
-    (work / "prometheus.yml").write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"rule_files: ['{alerts.RULES_FILE}']\n"
-        "scrape_configs:\n"
-        f"  - job_name: kvtide\n    metrics_path: {target.path}\n"
-        f"    static_configs: [{{targets: ['{target.netloc}']}}]\n")
-    log = open(work / "prometheus.log", "w")
-    proc = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT)
-    prom = Prom(f"http://127.0.0.1:{port}")
-    try:
-        def ready() -> bool:
-            assert proc.poll() is None, (work / "prometheus.log").read_text()
-            try:
-                return prom.http.get("/-/ready").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(ready, 60, 0.2, "Prometheus to be ready")
+    scrape = (f"  - job_name: kvtide\n    metrics_path: {target.path}\n"
+              f"    static_configs: [{{targets: ['{target.netloc}']}}]\n")
+    with running_prometheus(tmp_path_factory.mktemp("prometheus"), scrape, [alerts.RULES_FILE]) as prom:
         yield prom
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -238,10 +175,6 @@ def _drive_traffic(cluster) -> int:
     return sent
 
 
-def _finite(result: list[dict[str, Any]]) -> bool:
-    return any(math.isfinite(float(r["value"][1])) for r in result)
-
-
 def test_dashboards_and_alerts_return_data_from_a_real_prometheus(cluster, prometheus, pressure_app) -> None:
     """Every panel query and alert signal has data; the catalog equals the scrape; previews are drawn."""
     started_s = time.time()
@@ -251,7 +184,7 @@ def test_dashboards_and_alerts_return_data_from_a_real_prometheus(cluster, prome
     sent = _drive_traffic(cluster)
     # vLLM creates its gauges at an engine's first request (this test may be the session's first).
     wait_for(lambda: "ray_vllm_num_requests_running" in prometheus.names(), 120, 1.0, "the engines' gauges")
-    wait_for(lambda: _finite(prometheus.query("sum(ray_kvtide_requests_total)"))
+    wait_for(lambda: finite(prometheus.query("sum(ray_kvtide_requests_total)"))
              and float(prometheus.query("sum(ray_kvtide_requests_total)")[0]["value"][1]) >= sent,
              120, 1.0, f"Prometheus to hold all {sent} finished requests")
     wait_for(lambda: "ray_kvtide_engine_aborted_requests_total" in prometheus.names(), 60, 1.0,
@@ -276,7 +209,7 @@ def test_dashboards_and_alerts_return_data_from_a_real_prometheus(cluster, prome
         checks.append((f"alert {rule.name} signal", rule.signal))
 
     def missing() -> list[str]:
-        return [f"{title}: {expr}" for title, expr in checks if not _finite(prometheus.query(expr))]
+        return [f"{title}: {expr}" for title, expr in checks if not finite(prometheus.query(expr))]
 
     failures: list[str] = []
     try:

@@ -240,7 +240,8 @@ def _reference_keys(fleet, index, now_s, sticky) -> list[tuple]:
 
 
 def test_ranking_is_the_documented_sort_on_random_fleets():
-    """The list-based scoring (no per-replica tuples) ranks as the tuple sort it replaced; only ties for first move."""
+    """The list-based scoring (no per-replica tuples) ranks as the tuple sort it replaced; only ties for first
+    (exact, or within tie_band_tokens among holders) move."""
     from kvtide.deployments.routing.sessions import SessionTable
 
     rng = random.Random(5)
@@ -257,7 +258,47 @@ def test_ranking_is_the_documented_sort_on_random_fleets():
         d = rank_replicas(PROMPT, BS, fleet, index, TUNE, random.Random(trial), now_s=1.0, session_key="s",
                           sessions=sessions)
         keyed = _reference_keys(fleet, index, 1.0, sticky)
-        tied = sum(1 for k in keyed if k[:3] == keyed[0][:3])
+        first = keyed[0]
+        # The first place's ties: none for a session's replica; within tie_band_tokens of its cost
+        # when it holds some of the prompt, exact otherwise (on its side of the guard).
+        band = TUNE.tie_band_tokens if index.match(PROMPT, 1.0).get(first[3], 0) else 0.0
+        tied = 1 if not first[1] else sum(1 for k in keyed if k[:2] == first[:2] and k[2] <= first[2] + band)
         expected = [k[3] for k in keyed]
-        assert sorted(d.ranked[:tied]) == expected[:tied] and d.ranked[tied:] == expected[tied:], trial
+        assert sorted(d.ranked[:tied]) == sorted(expected[:tied]) and d.ranked[tied:] == expected[tied:], trial
         assert d.sticky == (not keyed[0][1]), trial
+
+
+# ---- the tie band: holders of a prefix within tie_band_tokens go to the group's owner ---------------
+
+def _owner_of_prompt(*ids: str) -> str:
+    from kvtide.deployments.routing import rendezvous
+    from kvtide.deployments.routing.replication import group_key, key_blocks_for
+
+    group = group_key(PROMPT, key_blocks_for(TUNE.replication_key_tokens, BS))
+    return rendezvous.top(group, list(ids), 1)[0]
+
+
+@pytest.mark.parametrize("loads", [{"a": 1, "b": 2}, {"a": 2, "b": 1}, {"a": 0, "b": 2}, {"a": 2, "b": 0}])
+def test_holders_within_the_band_go_to_the_groups_owner_whatever_the_load_order(loads):
+    """Two full holders whose loads differ by up to 2 requests (512 tokens): the rendezvous owner, either way."""
+    assert decide(snaps(**loads), index_with(a=64, b=64)).ranked[0] == _owner_of_prompt("a", "b")
+
+
+def test_past_the_band_load_decides_between_holders():
+    """Loads 3 requests apart (768 tokens > 512): the less loaded holder, owner or not."""
+    owner = _owner_of_prompt("a", "b")
+    other = "b" if owner == "a" else "a"
+    assert decide(snaps(**{owner: 3, other: 0}), index_with(a=64, b=64)).ranked[0] == other
+
+
+def test_a_cold_prompt_still_goes_to_the_least_loaded():
+    """Nobody holds it: exact ties only, so one request of load difference decides (cold prompts spread)."""
+    for loads in ({"a": 0, "b": 1}, {"a": 1, "b": 0}):
+        assert decide(snaps(**loads), index_with()).ranked[0] == min(loads, key=loads.get)
+
+
+def test_a_band_of_zero_restores_exact_ties():
+    """tie_band_tokens=0: the less loaded holder wins by one request."""
+    exact = RoutingConfig(tie_band_tokens=0)
+    for loads in ({"a": 0, "b": 1}, {"a": 1, "b": 0}):
+        assert decide(snaps(**loads), index_with(a=64, b=64), tunables=exact).ranked[0] == min(loads, key=loads.get)
