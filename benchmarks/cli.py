@@ -192,7 +192,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cmp_p.add_argument("--policies", default=DEFAULT_POLICIES,
                        help=f"comma-separated: routing.policy values, `{BARE_POLICY}` (bare vLLM servers behind "
                             f"a round-robin balancer, no kvtide) and `{RAY_KV_POLICY}` (Ray Serve LLM's KV-aware app); "
-                            "the baseline is bare, else pow2, else the first")
+                            "the baseline is bare, else pow2, else the first. A kvtide policy takes overrides of "
+                            "its own after +: prefix_aware+routing.tie_band_tokens=0")
     cmp_p.add_argument("--bare-balancer", choices=("auto", "haproxy", "python"), default="auto",
                        help="bare's balancer: HAProxy if a binary is found (auto), or the Python round-robin proxy")
     cmp_p.add_argument("--repeats", type=_at_least_one, default=1,
@@ -423,7 +424,11 @@ class Target:
 
 
 def policy_config(config_path: str, overrides: list[str], policy: str) -> KvtideConfig:
-    """The config one policy runs with (validated now: a typo fails in a second, not after a run)."""
+    """The config one policy runs with (validated now: a typo fails in a second, not after a run).
+
+    A kvtide policy may carry config overrides of its own after `+`, so that variants of one
+    policy compare side by side: `prefix_aware+routing.tie_band_tokens=0+http.router_replicas_per_node=2`.
+    """
     from kvtide.config import load_config
 
     if policy in NOT_KVTIDE:
@@ -432,7 +437,8 @@ def policy_config(config_path: str, overrides: list[str], policy: str) -> Kvtide
         config = load_config(config_path, overrides)
         fleet_size(config)  # raises if the config has no engine replica to mirror
         return config
-    return load_config(config_path, [*overrides, f"routing.policy={policy}"])
+    base, *variant = policy.split("+")
+    return load_config(config_path, [*overrides, *variant, f"routing.policy={base}"])
 
 
 @contextlib.contextmanager

@@ -24,6 +24,8 @@
 #   bash benchmarks/h200/run.sh routing-random the same fleet on random prompts (routing must not hurt;
 #                                              RANDOM_POLICIES, RANDOM_RATES)
 #   bash benchmarks/h200/run.sh routing-all    the three loads above in one compare, one cluster start per policy
+#   bash benchmarks/h200/run.sh agreement      two routing peers per node (independent routers), tie band on / off,
+#                                              beside one peer: shared-prefix and multi-turn (POLICIES, RATES)
 #                                              (POLICIES, RATES for shared-prefix, MULTITURN_RATES, RANDOM_RATES)
 #   bash benchmarks/h200/run.sh autoscale      step load, replicas 1 -> 4 (AUTOSCALE_MIN/_MAX; AUTOSCALE_GPU_SHARE each, demo model): kv, kv-cold,
 #                                              queue_length, fixed-max -> autoscale.json, report.md, timeline.png
@@ -222,6 +224,15 @@ routing-random)
   build_8b; leftovers routing-random
   compare routing-random "${RANDOM_POLICIES:-pow2,prefix_aware}" random "${RANDOM_RATES:-16}" \
       --num-requests 2000 --input-len 2048 --output-len 64
+  ;;
+agreement)  # routers that share no state: two routing peers per node (HAProxy alternates its consults between
+  # them), with and without routing.tie_band_tokens, beside one peer; shared-prefix and multi-turn
+  build_8b; leftovers agreement
+  compare agreement "${POLICIES:-prefix_aware+http.router_replicas_per_node=2,prefix_aware+http.router_replicas_per_node=2+routing.tie_band_tokens=0,prefix_aware}" \
+      shared-prefix,multi-turn "${RATES:-8}" --zipf-s 0.8 --num-groups 20 --prompts-per-group 64 --system-prompt-len 6000 \
+      --question-len 128 --output-len 64 --num-users 48 --num-rounds 6 \
+      --workload-set multi-turn.system_prompt_len=1024 --workload-set multi-turn.question_len=256 \
+      --workload-set multi-turn.rate="${MULTITURN_RATES:-16}" --workload-set multi-turn.duration="${MULTITURN_DURATION:-30}"
   ;;
 routing-all)  # the three routing loads on one cluster start per policy (a start of the 8B fleet is ~100 s)
   build_8b; leftovers routing-all

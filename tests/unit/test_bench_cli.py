@@ -207,3 +207,15 @@ def test_workload_set_rejects_what_it_cannot_apply(tmp_path, entry, message, cap
                   "--workload-set", entry, "--out", str(tmp_path)])
     assert args.func(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_policy_variant_carries_its_own_overrides():
+    """`prefix_aware+routing.tie_band_tokens=0` runs prefix_aware with that override; a bad key fails at once."""
+    from kvtide.benchmarks.cli import policy_config
+    from kvtide.config import default_config_path
+
+    config = policy_config(str(default_config_path()), [], "prefix_aware+routing.tie_band_tokens=0")
+    assert (config.routing.policy, config.routing.tie_band_tokens) == ("prefix_aware", 0)
+    assert policy_config(str(default_config_path()), [], "prefix_aware").routing.tie_band_tokens == 512
+    with pytest.raises(ConfigError):
+        policy_config(str(default_config_path()), [], "prefix_aware+routing.tie_band_tokenz=0")
