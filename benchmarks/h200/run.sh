@@ -229,7 +229,7 @@ agreement)  # routers that share no state: two routing peers per node (HAProxy a
   # them), with and without routing.tie_band_tokens, beside one peer; shared-prefix and multi-turn
   build_8b; leftovers agreement
   compare agreement "${POLICIES:-prefix_aware+http.router_replicas_per_node=2,prefix_aware+http.router_replicas_per_node=2+routing.tie_band_tokens=0,prefix_aware}" \
-      shared-prefix,multi-turn "${RATES:-8}" --zipf-s 0.8 --num-groups 20 --prompts-per-group 64 --system-prompt-len 6000 \
+      "${AGREEMENT_WORKLOADS:-shared-prefix,multi-turn}" "${RATES:-8}" --zipf-s 0.8 --num-groups 20 --prompts-per-group 64 --system-prompt-len 6000 \
       --question-len 128 --output-len 64 --num-users 48 --num-rounds 6 \
       --workload-set multi-turn.system_prompt_len=1024 --workload-set multi-turn.question_len=256 \
       --workload-set multi-turn.rate="${MULTITURN_RATES:-16}" --workload-set multi-turn.duration="${MULTITURN_DURATION:-30}"

@@ -41,8 +41,9 @@ Algorithm, one decision:
                  whatever its affinity, credit or session; under the guard the session's
                  replica comes first
     tied         the replicas on the first place's side of the guard whose cost is within
-                 tie_band_tokens of its cost, if the first place holds some of the request and
-                 the group is not hot (k < 2); else those of exactly its cost
+                 tie_band_tokens of its cost, if the first place holds some of the request,
+                 some replica on its side holds less, and the group is not hot (k < 2); else
+                 those of exactly its cost
     tiebreak     replicas tied for FIRST place are reordered by rendezvous weight of the
                  session key; else, by g: the tied replicas holding most of the request
                  first, or, if none holds any, the engine holding the fewest blocks first
@@ -100,7 +101,9 @@ Consequences, each pinned by a unit test:
   among them, so routers whose loads differ by a request or two (each counts its own picks)
   still send the group to one replica, and a copy made by two routers' simultaneous first
   requests is left to age out instead of both being kept warm. Past the band load decides; a
-  cold prompt (nobody holds it) and a hot group's members still go by load between reports.
+  cold prompt (nobody holds it), a prefix every replica holds alike (one system prompt for all
+  traffic: an owner there would only queue everyone's first turns on it) and a hot group's
+  members still go by load.
 - `limit >= mean >= min(load)` when factor >= 1 and slack >= 0, so at least one replica
   is always under the load guard; RoutingConfig's field bounds enforce them. (The
   KV guard can mark every replica; then all rank by cost alone, still load-aware.)
@@ -281,11 +284,7 @@ def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshot
     order.sort(key=costs.__getitem__)
     order, first_sticky = _partition(order, over, ids, sticky)
     if not first_sticky and len(order) > 1:
-        # Replicas holding the prefix within the band of the best cost tie (routers agree on its
-        # owner, whatever their load views). Exact ties only for a prefix the first place does not
-        # hold (cold prompts spread by load between reports) and for a hot group (k >= 2), whose
-        # members share it by load.
-        band = tunables.tie_band_tokens if k < 2 and blocks_of[order[0]] > 0 else 0.0
+        band = tunables.tie_band_tokens if _owner_decides(order[0], blocks_of, over, k) else 0.0
         tied = _tied_for_first(order, over, costs, band)
         if tied > 1:
             order[:tied] = _break_tie_for_first(order[:tied], ids, blocks_of, session_key, group, rng, index)
@@ -331,6 +330,23 @@ def _partition(order: list[int], over: list[bool], ids: list[str], sticky: str |
             order.insert(0, order.pop(pos))
             return order, True
     return order, False
+
+
+def _owner_decides(first: int, blocks_of: list[int], over: list[bool], k: int) -> bool:
+    """Whether the tie band applies: the first place holds some of the request, and holding it is
+    what sets replicas apart (some replica on its side of the guard holds less).
+
+    Then replicas holding it within the band tie and the group's owner among them takes it, so
+    routers whose load views differ by a request or two agree, and a copy two routers made at
+    once ages out. Not for a prefix every candidate holds alike (a system prompt shared by all
+    traffic: load, not an owner, should place it), a cold prompt (cold prompts spread by load
+    between reports), or a hot group (k >= 2), whose members share it by load.
+    """
+    held = blocks_of[first]
+    if held == 0 or k >= 2:
+        return False
+    side = over[first]
+    return any(blocks < held and o == side for blocks, o in zip(blocks_of, over))
 
 
 def _tied_for_first(order: list[int], over: list[bool], costs: list[float], band: float) -> int:

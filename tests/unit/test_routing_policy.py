@@ -260,8 +260,12 @@ def test_ranking_is_the_documented_sort_on_random_fleets():
         keyed = _reference_keys(fleet, index, 1.0, sticky)
         first = keyed[0]
         # The first place's ties: none for a session's replica; within tie_band_tokens of its cost
-        # when it holds some of the prompt, exact otherwise (on its side of the guard).
-        band = TUNE.tie_band_tokens if index.match(PROMPT, 1.0).get(first[3], 0) else 0.0
+        # when the band applies, exact otherwise (on its side of the guard).
+        held = index.match(PROMPT, 1.0)
+        first_held = held.get(first[3], 0)
+        # the band applies when the first place holds some of the prompt and a replica on its side holds less
+        band = TUNE.tie_band_tokens if first_held and any(
+            held.get(k[3], 0) < first_held and k[0] == first[0] for k in keyed) else 0.0
         tied = 1 if not first[1] else sum(1 for k in keyed if k[:2] == first[:2] and k[2] <= first[2] + band)
         expected = [k[3] for k in keyed]
         assert sorted(d.ranked[:tied]) == sorted(expected[:tied]) and d.ranked[tied:] == expected[tied:], trial
@@ -280,15 +284,22 @@ def _owner_of_prompt(*ids: str) -> str:
 
 @pytest.mark.parametrize("loads", [{"a": 1, "b": 2}, {"a": 2, "b": 1}, {"a": 0, "b": 2}, {"a": 2, "b": 0}])
 def test_holders_within_the_band_go_to_the_groups_owner_whatever_the_load_order(loads):
-    """Two full holders whose loads differ by up to 2 requests (512 tokens): the rendezvous owner, either way."""
-    assert decide(snaps(**loads), index_with(a=64, b=64)).ranked[0] == _owner_of_prompt("a", "b")
+    """Two full holders (c holds nothing) whose loads differ by up to 2 requests (512 tokens): the owner, either way."""
+    d = decide(snaps(**loads, c=0), index_with(a=64, b=64))
+    assert d.ranked[0] == _owner_of_prompt("a", "b")
 
 
 def test_past_the_band_load_decides_between_holders():
     """Loads 3 requests apart (768 tokens > 512): the less loaded holder, owner or not."""
     owner = _owner_of_prompt("a", "b")
     other = "b" if owner == "a" else "a"
-    assert decide(snaps(**{owner: 3, other: 0}), index_with(a=64, b=64)).ranked[0] == other
+    assert decide(snaps(**{owner: 3, other: 0}, c=0), index_with(a=64, b=64)).ranked[0] == other
+
+
+def test_a_prefix_every_replica_holds_alike_goes_by_load():
+    """All hold it (one system prompt for all traffic): no owner, the less loaded by one request wins."""
+    for loads in ({"a": 0, "b": 1}, {"a": 1, "b": 0}):
+        assert decide(snaps(**loads), index_with(a=64, b=64)).ranked[0] == min(loads, key=loads.get)
 
 
 def test_a_cold_prompt_still_goes_to_the_least_loaded():
@@ -301,4 +312,5 @@ def test_a_band_of_zero_restores_exact_ties():
     """tie_band_tokens=0: the less loaded holder wins by one request."""
     exact = RoutingConfig(tie_band_tokens=0)
     for loads in ({"a": 0, "b": 1}, {"a": 1, "b": 0}):
-        assert decide(snaps(**loads), index_with(a=64, b=64), tunables=exact).ranked[0] == min(loads, key=loads.get)
+        assert decide(snaps(**loads, c=0), index_with(a=64, b=64), tunables=exact).ranked[0] == min(
+            loads, key=loads.get)
