@@ -42,7 +42,7 @@ class EngineCorePin:
                  find_engine_cores: Callable[[], Iterable[int]] | None = None):
         self.pinned_cores = pinned_cores
         self.free_cores = free_cores  # the replica's own affinity, before any pin
-        self._find_engine_cores = find_engine_cores or _engine_core_children
+        self._find_engine_cores = find_engine_cores or engine_core_children
         self._engine_core_pids: list[int] = []
         self.freed_threads = 0  # threads that had inherited the pin, over the replica's life
 
@@ -77,7 +77,28 @@ def _thread_affinities(pid: int) -> dict[int, frozenset[int]]:
     return found
 
 
-def _engine_core_children() -> list[int]:
+def engine_cores_exited(pids: Iterable[int]) -> bool:
+    """True when engine-core processes were found at start and none of them runs any more.
+
+    vLLM's own monitor marks the engine dead when its core exits; this is the same fact read from
+    the process table, so a replica whose engine core is gone fails its health check whatever
+    state the engine client is left in. No pid known (an in-process engine): nothing to check.
+    """
+    import psutil
+
+    pids = list(pids)
+    if not pids:
+        return False
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.Error:  # gone
+            continue
+    return True
+
+
+def engine_core_children() -> list[int]:
     """Pids of this process's vLLM engine-core descendants."""
     import psutil
 

@@ -22,7 +22,7 @@ from ray.util import metrics
 
 from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig, parse_config
-from kvtide.deployments.engine.core_pinning import EngineCorePin
+from kvtide.deployments.engine.core_pinning import EngineCorePin, engine_core_children, engine_cores_exited
 from kvtide.deployments.engine.demo_model import resolve_model
 from kvtide.deployments.engine.placement import bound_cores, cpu_threads_bind, engine_kwargs
 from kvtide.autoscaling.replica_stats import replica_autoscaling_stats
@@ -127,6 +127,8 @@ class EngineReplica:
         # vLLM's own OpenAI app on this engine, for the requests kvtide's path does not implement
         # (the frontend hands them over in-process in direct mode, over `vllm_openai` in ingress mode).
         self.vllm_app = await build_vllm_openai_app(self.config, self.engine)
+        # The engine-core processes this replica started, for the health check.
+        self.engine_core_pids = engine_core_children()
         self.core_pin = engine_core_pin(self.config.resources.device)
         if self.core_pin:
             self.core_pin.apply()
@@ -322,6 +324,9 @@ class EngineReplica:
     async def check_health(self) -> None:
         # Raises EngineDeadError once the engine core died: Serve then restarts the replica.
         await self.engine.check_health()
+        # The process table too: a replica must not stay "healthy" with no engine core behind it.
+        if engine_cores_exited(self.engine_core_pids):
+            raise RuntimeError(f"the engine core process(es) {self.engine_core_pids} exited")
 
     def __del__(self) -> None:
         refresh = getattr(self, "_gauge_refresh", None)

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from kvtide.deployments.engine.core_pinning import EngineCorePin, logger, threads_to_free
+from kvtide.deployments.engine.core_pinning import EngineCorePin, logger, threads_to_free, engine_cores_exited
 
 # A stand-in engine core: one helper thread at start, another each time it reads a line (as vLLM's
 # lazily started pools do), each announced on stdout once it runs.
@@ -88,3 +88,19 @@ def test_a_process_that_is_gone_is_skipped(caplog, monkeypatch):
         logger.removeHandler(caplog.handler)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith(f"could not pin engine core {child.pid}: "), warnings
+
+
+def test_engine_cores_count_as_exited_only_once_every_known_one_is_gone():
+    """A replica's health check fails when its engine-core processes all exited; an in-process engine (no pid) never fails it."""
+    assert not engine_cores_exited([])
+    running = subprocess.Popen(["sleep", "60"])
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    try:
+        assert not engine_cores_exited([running.pid, finished.pid])  # one still runs
+        assert engine_cores_exited([finished.pid])
+        running.kill()
+        running.wait()
+        assert engine_cores_exited([running.pid, finished.pid])
+    finally:
+        running.kill()
