@@ -6,6 +6,7 @@
     kvtide_autoscaler_kv_usage_perc{deployment,application}      gauge: mean KV-block use, 0..1
     kvtide_autoscaler_num_waiting{deployment,application}        gauge: waiting requests, all replicas
     kvtide_autoscaler_decisions{deployment,application,reason}   counter (exported `_total`): one per tick
+    kvtide_autoscaler_standby_replicas{deployment,application}   gauge: standby (and retiring) replicas kept
 
 The policy runs in the Serve controller, which rebuilds the policy object on every
 redeploy; the metric objects are created on first use and then reused for the life of
@@ -16,7 +17,12 @@ one per process.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvtide.autoscaling.control_law import Decision
+
+if TYPE_CHECKING:
+    from kvtide.autoscaling.standby import RolePlan
 
 _TAGS = ("deployment", "application")
 
@@ -45,6 +51,13 @@ class AutoscalerMetrics:
         self.decisions = metrics.Counter(
             "kvtide_autoscaler_decisions", "Autoscaler decisions (one per controller tick) by reason.",
             tag_keys=(*_TAGS, "reason"))
+        self.standby_replicas = metrics.Gauge(
+            "kvtide_autoscaler_standby_replicas", "Engine replicas kept out of routing as standby (or retiring).",
+            tag_keys=_TAGS)
+
+    def on_roles(self, plan: "RolePlan", deployment: str, application: str) -> None:
+        self.standby_replicas.set(len(plan.roles.standby) + len(plan.roles.retiring),
+                                  tags={"deployment": deployment, "application": application})
 
     def on_decision(self, decision: Decision, deployment: str, application: str) -> None:
         tags = {"deployment": deployment, "application": application}

@@ -34,15 +34,19 @@ import logging
 import time
 from typing import Any
 
+from kvtide.autoscaling import roles_channel
 from kvtide.autoscaling.control_law import Decision, LawContext, LawState, ReplicaStats, decide
 from kvtide.autoscaling.metrics import autoscaler_metrics
-from kvtide.autoscaling.replica_stats import KV_USAGE_KEY, NUM_PREEMPTIONS_TOTAL_KEY, NUM_RUNNING_KEY, NUM_WAITING_KEY
+from kvtide.autoscaling.replica_stats import (KV_USAGE_KEY, NUM_PREEMPTIONS_TOTAL_KEY, NUM_RUNNING_KEY,
+                                              NUM_WAITING_KEY, RECENT_HIT_TOKENS_KEY)
+from kvtide.autoscaling.standby import RolePlan, Roles, assign, reconcile
 from kvtide.config import AutoscalingSettings
 
 # A child of Ray Serve's logger, so the lines land in the controller's log file.
 logger = logging.getLogger("ray.serve.kvtide.autoscaler")
 
 POLICY_STATE_KEY = "kvtide_law"
+ROLES_STATE_KEY = "kvtide_roles"
 KV_POLICY_PATH = "kvtide.autoscaling.ray_policy:KvPolicy"
 
 
@@ -59,7 +63,8 @@ def _newest(series: Any) -> Any | None:
     return max(series, key=lambda point: point.timestamp) if series else None
 
 
-def law_context(ctx: Any, look_back_s: float, recent_s: float | None = None) -> LawContext:
+def law_context(ctx: Any, look_back_s: float, recent_s: float | None = None,
+                roles: Roles | None = None) -> LawContext:
     """Translate Ray's `AutoscalingContext` into the law's inputs.
 
     Replicas still starting are `target - running` when the target is above the running
@@ -70,6 +75,10 @@ def law_context(ctx: Any, look_back_s: float, recent_s: float | None = None) -> 
     the newest KV sample's timestamp (`sampled_at_s`: the controller ticks ~10× per push,
     the law records each sample once) and the preemptions within `recent_s` (the law's
     trend_window_s) feed the fast path.
+
+    With `roles` (standby engines, cache-aware scale-down) the law sees the active replicas
+    only: standbys are out of the KV average and the counts, and the replicas starting are
+    those the fleet still lacks of the active count last asked for.
     """
     now_s = ctx.current_time if ctx.current_time is not None else time.time()
     recent_s = look_back_s if recent_s is None else recent_s
@@ -79,7 +88,11 @@ def law_context(ctx: Any, look_back_s: float, recent_s: float | None = None) -> 
     waiting = aggregated.get(NUM_WAITING_KEY, {})
     running = aggregated.get(NUM_RUNNING_KEY, {})
     preemptions = raw.get(NUM_PREEMPTIONS_TOTAL_KEY, {})
-    reporting = [replica_id for replica_id in ctx.running_replicas if replica_id in kv]
+    running_ids = ctx.running_replicas
+    if roles is not None:
+        active = set(roles.active)
+        running_ids = [replica_id for replica_id in running_ids if replica_id.unique_id in active]
+    reporting = [replica_id for replica_id in running_ids if replica_id in kv]
     kv_now = {replica_id: _newest(raw.get(KV_USAGE_KEY, {}).get(replica_id)) for replica_id in reporting}
     waiting_now = {replica_id: _newest(raw.get(NUM_WAITING_KEY, {}).get(replica_id)) for replica_id in reporting}
     stats = tuple(
@@ -95,16 +108,31 @@ def law_context(ctx: Any, look_back_s: float, recent_s: float | None = None) -> 
         for replica_id in reporting
     )
     sample_times = [point.timestamp for point in kv_now.values() if point is not None]
-    num_current, num_target = ctx.current_num_replicas, ctx.target_num_replicas
+    if roles is not None:
+        num_running = len(roles.active)
+        num_starting = max(roles.desired_active - num_running, 0)
+    else:
+        num_current, num_target = ctx.current_num_replicas, ctx.target_num_replicas
+        num_running, num_starting = min(num_current, num_target), max(num_target - num_current, 0)
     return LawContext(
         replicas=stats,
-        num_running_replicas=min(num_current, num_target),
-        num_starting_replicas=max(num_target - num_current, 0),
+        num_running_replicas=num_running,
+        num_starting_replicas=num_starting,
         min_replicas=ctx.capacity_adjusted_min_replicas,
         max_replicas=ctx.capacity_adjusted_max_replicas,
         now_s=now_s,
         sampled_at_s=max(sample_times) if sample_times else None,
     )
+
+
+def cache_worth(ctx: Any) -> dict[str, float]:
+    """Each replica's newest report of the prefix-cache hit tokens it served within cache_value_window_s."""
+    worth = {}
+    for replica_id, series in ((ctx.raw_metrics or {}).get(RECENT_HIT_TOKENS_KEY, {})).items():
+        newest = _newest(series)
+        if newest is not None:
+            worth[replica_id.unique_id] = float(newest.value)
+    return worth
 
 
 class KvPolicy:
@@ -117,15 +145,43 @@ class KvPolicy:
         # Ray hands over plain data (policy_kwargs); validate it back into the one model.
         self.tunables = AutoscalingSettings.model_validate(settings)
         self._last_logged: tuple | None = None
+        self._published: bytes | None = None  # the role document last written to the GCS
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         look_back_s = ctx.config.look_back_period_s if ctx.config is not None else 30.0
-        context = law_context(ctx, look_back_s, self.tunables.trend_window_s)
+        roles = None
+        if self.tunables.manages_roles:
+            now_s = ctx.current_time if ctx.current_time is not None else time.time()
+            roles = reconcile(Roles.from_dict(ctx.policy_state.get(ROLES_STATE_KEY)),
+                              [replica_id.unique_id for replica_id in ctx.running_replicas], now_s,
+                              self.tunables.standby_replicas)
+        context = law_context(ctx, look_back_s, self.tunables.trend_window_s, roles)
         state = LawState.from_dict(ctx.policy_state.get(POLICY_STATE_KEY))
         desired, state, decision = decide(context, state, self.tunables)
         self._log(decision)
         autoscaler_metrics().on_decision(decision, ctx.deployment_name, ctx.app_name or "")
-        return desired, {POLICY_STATE_KEY: state.to_dict()}
+        if roles is None:
+            return desired, {POLICY_STATE_KEY: state.to_dict()}
+        plan = assign(roles, desired, worth=cache_worth(ctx), now_s=context.now_s,
+                      standby_replicas=self.tunables.standby_replicas,
+                      standby_timeout_s=self.tunables.standby_timeout_s,
+                      max_replicas=ctx.capacity_adjusted_max_replicas)
+        self._publish(ctx, plan)
+        return plan.serve_target, {POLICY_STATE_KEY: state.to_dict(), ROLES_STATE_KEY: plan.roles.to_dict()}
+
+    def _publish(self, ctx: Any, plan: RolePlan) -> None:
+        for verb, ids in (("woke", plan.woken), ("put to standby", plan.demoted), ("retiring", plan.retired)):
+            if ids:
+                logger.info("roles: %s %s (active %d, standby %d, Serve target %d)", verb, ", ".join(ids),
+                            len(plan.roles.active), len(plan.roles.standby), plan.serve_target)
+        autoscaler_metrics().on_roles(plan, ctx.deployment_name, ctx.app_name or "")
+        document = roles_channel.encode(plan.roles)
+        if document != self._published:
+            try:
+                if roles_channel.publish(ctx.app_name or "", ctx.deployment_name, document):
+                    self._published = document
+            except Exception as exc:  # the GCS is briefly unreachable: the next tick writes it again
+                logger.warning("could not publish roles: %s", exc)
 
     def _log(self, decision: Decision) -> None:
         # Ticks come ten times a second: INFO for actions and for timers starting or
@@ -136,7 +192,8 @@ class KvPolicy:
         logger.log(level, decision.log_line())
 
 
-def autoscaling_config(settings: AutoscalingSettings, min_replicas: int, max_replicas: int) -> dict[str, Any]:
+def autoscaling_config(settings: AutoscalingSettings, min_replicas: int, max_replicas: int,
+                       initial_replicas: int | None = None) -> dict[str, Any]:
     """The engine deployment's `autoscaling_config` option for the chosen policy.
 
     `metrics_interval_s` is `metrics_push_interval_s`. Ray 2.60 marks the field deprecated
@@ -157,7 +214,9 @@ def autoscaling_config(settings: AutoscalingSettings, min_replicas: int, max_rep
     config: dict[str, Any] = {
         "min_replicas": min_replicas,
         "max_replicas": max_replicas,
-        "initial_replicas": max(1, min_replicas),
+        # The standby pool starts with the fleet (kv policy), within max_replicas.
+        "initial_replicas": min((max(1, min_replicas) if initial_replicas is None else initial_replicas)
+                                + (settings.standby_replicas if settings.policy == "kv" else 0), max_replicas),
         "look_back_period_s": settings.look_back_s,
         "metrics_interval_s": settings.metrics_push_interval_s,
     }

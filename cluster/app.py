@@ -66,7 +66,8 @@ def engine_deployment_options(config: KvtideConfig) -> dict[str, Any]:
     }
     if config.replicas.autoscaling:
         options["autoscaling_config"] = autoscaling_config(
-            config.autoscaling, config.replicas.min_replicas, config.replicas.max_replicas)
+            config.autoscaling, config.replicas.min_replicas, config.replicas.max_replicas,
+            config.replicas.initial_replicas)
     else:
         options["num_replicas"] = config.replicas.num_replicas
     return options

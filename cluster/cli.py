@@ -69,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # replaces SIGTERM's handler with one that exits with a stack dump.
     install_handlers()
     nodes = f" on {args.nodes} Ray nodes" if args.nodes > 1 else ""
-    print(f"kvtide: starting {config.replicas.initial_replicas} engine replica(s) of {config.model}{nodes} ...",
+    print(f"kvtide: starting {config.replicas.replicas_at_start} engine replica(s) of {config.model}{nodes} ...",
           flush=True)
     try:
         cluster = local.start(config, nodes=args.nodes)

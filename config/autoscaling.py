@@ -6,6 +6,8 @@
     ├── fast_upscale, fast_upscale_delay_s, trend_window_s, trend_horizon_s   the fast up-path
     ├── scale_down_cooldown_s   no scale-down this soon after a scale-up
     ├── target_ongoing_requests only for queue_length
+    ├── standby_replicas, standby_timeout_s, scale_down_chooser, cache_value_window_s, sleep_level
+    │                           standby engines and which replica a scale-down takes (autoscaling.standby)
     └── warm_start  WarmStartSettings   prefill hot prefixes on a new replica first
 
 It only matters when `replicas` gives min/max (autoscaling). Declared once, here: the
@@ -110,7 +112,37 @@ class AutoscalingSettings(Strict):
         description="queue_length policy only: ongoing requests per replica Ray aims for "
         "(about half of engine.max_num_seqs is a fair baseline).",
     )
+    standby_replicas: int = Field(
+        0, ge=0, le=64,
+        description="Engines kept started beyond the active replicas, asleep (vLLM sleep mode on GPU; awake but "
+        "unrouted on CPU) and out of routing and the KV average: a scale-up wakes one in seconds instead of "
+        "starting a replica. kv policy only. Each holds its Ray resources (its GPUs) while it waits.",
+    )
+    standby_timeout_s: float = Field(
+        300.0, ge=0.0,
+        description="A standby beyond standby_replicas (a replica a scale-down put to sleep) is stopped after this long.",
+    )
+    scale_down_chooser: Literal["cache_aware", "ray"] = Field(
+        "cache_aware",
+        description="Which replica a scale-down takes. cache_aware: the active replica whose cache is worth least "
+        "(prefix-cache hit tokens it served within cache_value_window_s) goes to standby and is stopped after "
+        "standby_timeout_s; ray: Ray Serve chooses which replica to stop. kv policy only.",
+    )
+    cache_value_window_s: float = Field(
+        60.0, gt=0.0, le=3600.0,
+        description="Window over which a replica's served prefix-cache hits make its cache's worth for cache_aware.",
+    )
+    sleep_level: Literal[1, 2] = Field(
+        1,
+        description="vLLM sleep level of a standby engine on GPU: 1 offloads the weights to host memory and frees "
+        "the KV cache (wakes fastest), 2 discards the weights too (least host memory, reloads them on wake).",
+    )
     warm_start: WarmStartSettings = Field(default_factory=WarmStartSettings)
+
+    @property
+    def manages_roles(self) -> bool:
+        """Whether the kv policy assigns active/standby roles (standby engines or a cache-aware scale-down)."""
+        return self.policy == "kv" and (self.standby_replicas > 0 or self.scale_down_chooser == "cache_aware")
 
     @model_validator(mode="after")
     def _check(self) -> "AutoscalingSettings":
@@ -134,6 +166,15 @@ class AutoscalingSettings(Strict):
                 f"autoscaling.target_kv_perc={target} is not below autoscaling.upper_kv_perc={upper}; "
                 f"lower target_kv_perc or raise upper_kv_perc: {fix}"
             )
+        if self.policy == "queue_length" and self.standby_replicas > 0:
+            raise ValueError(
+                f"autoscaling.standby_replicas={self.standby_replicas} needs autoscaling.policy=kv (Ray's queue_length "
+                "policy cannot keep replicas out of routing); set policy: kv or standby_replicas: 0")
+        if self.scale_down_chooser == "ray" and self.standby_replicas > 0:
+            raise ValueError(
+                f"autoscaling.standby_replicas={self.standby_replicas} needs autoscaling.scale_down_chooser=cache_aware: "
+                "a standby pool has kvtide assign roles, so a scale-down puts a replica kvtide chooses to standby; "
+                "set scale_down_chooser: cache_aware or standby_replicas: 0")
         # Ray (2.60) pushes replica stats every metrics_interval_s, which kvtide sets to
         # metrics_push_interval_s, and warns (later: raises) unless the window is longer.
         if self.look_back_s <= self.metrics_push_interval_s:

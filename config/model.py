@@ -123,6 +123,9 @@ class ReplicasConfig(Strict):
     num_replicas: int | None = Field(1, ge=0, description="Fixed number of engine replicas; null when autoscaling.")
     min_replicas: int | None = Field(None, ge=0, description="Autoscaling lower bound.")
     max_replicas: int | None = Field(None, ge=1, description="Autoscaling upper bound.")
+    initial_replicas: int | None = Field(
+        None, ge=0, description="Autoscaling: active engine replicas at deploy, between min_replicas and max_replicas "
+                                "(standby engines come on top); null: max(1, min_replicas).")
 
     @model_validator(mode="before")
     @classmethod
@@ -147,6 +150,13 @@ class ReplicasConfig(Strict):
                     f"replicas.min_replicas={self.min_replicas} is above replicas.max_replicas={self.max_replicas}; "
                     "make min_replicas <= max_replicas"
                 )
+            if self.initial_replicas is not None and not (
+                    self.min_replicas <= self.initial_replicas <= self.max_replicas):  # type: ignore[operator]
+                raise ValueError(
+                    f"replicas.initial_replicas={self.initial_replicas} is outside min_replicas={self.min_replicas}.."
+                    f"max_replicas={self.max_replicas}; pick a count within them or null")
+        elif self.initial_replicas is not None:
+            raise ValueError("replicas.initial_replicas is for autoscaling; a fixed fleet starts at num_replicas")
         return self
 
     @property
@@ -154,8 +164,11 @@ class ReplicasConfig(Strict):
         return self.num_replicas is None
 
     @property
-    def initial_replicas(self) -> int:
-        return self.num_replicas if self.num_replicas is not None else max(1, self.min_replicas or 0)
+    def replicas_at_start(self) -> int:
+        """Active engine replicas a deploy starts with."""
+        if self.num_replicas is not None:
+            return self.num_replicas
+        return self.initial_replicas if self.initial_replicas is not None else max(1, self.min_replicas or 0)
 
 
 class ResourcesConfig(Strict):

@@ -296,6 +296,7 @@ def capacity() -> DashboardSpec:
             Query(f"max({S('ray_kvtide_autoscaler_desired_replicas', **auto)})", "desired"),
             Query(f"max({S('ray_kvtide_autoscaler_running_replicas', **auto)})", "running"),
             Query(f"max({S('ray_kvtide_autoscaler_starting_replicas', **auto)})", "starting"),
+            Query(f"max({S('ray_kvtide_autoscaler_standby_replicas', **auto)})", "standby"),
         ), unit="short", no_value="autoscaling off", needs=AUTOSCALER_NEEDS),
         PanelSpec("KV autoscaler: inputs", (
             Query(f"max({S('ray_kvtide_autoscaler_kv_usage_perc', **auto)})", "mean KV usage"),

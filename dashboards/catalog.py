@@ -173,6 +173,9 @@ CATALOG: tuple[Metric, ...] = (
     Metric("ray_kvtide_autoscaler_decisions_total", _C, _A, (*_AUTO, "reason"), "decisions",
            "Autoscaler decisions, one per controller tick, by reason "
            "(kv_high, queueing, preemption, kv_low, bounds, hold).", needs=AUTOSCALING_ON),
+    Metric("ray_kvtide_autoscaler_standby_replicas", _G, _A, _AUTO, "replicas",
+           "Engine replicas kept out of routing as standby (asleep on GPU) or retiring, when the kv policy "
+           "assigns roles (autoscaling.standby_replicas, scale_down_chooser cache_aware).", needs=AUTOSCALING_ON),
     # --- engine: vLLM (vllm/v1/metrics/loggers.py, exported by ray_wrappers) -------------------
     Metric("ray_vllm_kv_cache_usage_perc", _G, _E, VLLM_LABELS, "ratio 0..1",
            "KV-cache blocks held by requests; 1 means full.", "model_name"),

@@ -46,6 +46,11 @@ class EngineServer(EngineReplica):
         self.frontend.vllm_app = self.vllm_app
         self.frontend.system_fingerprint = system_fingerprint(self.vllm_app)
         self.frontend.replica_id = self.replica_id
+        self.frontend.engine_asleep = lambda: self.role.asleep
+
+    def _requests_in_flight(self) -> int:
+        # Every HTTP request holds an admission ticket while it runs (vLLM-layer ones too).
+        return super()._requests_in_flight() + self.frontend.gate.num_ongoing
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.frontend, self.api_keys, self.ready)

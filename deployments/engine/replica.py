@@ -7,7 +7,10 @@ logger) so one Prometheus scrape of the Ray metrics port sees them.
 Invariants:
 - A cancelled call (client disconnect, upstream timeout) aborts the request in the
   engine, so its KV blocks are freed: AsyncLLM.generate aborts on CancelledError.
-- `check_health` fails once the engine core is dead, so Ray Serve replaces the replica.
+- `check_health` fails once the engine core is dead, so Ray Serve replaces the replica, and
+  once the autoscaler has retired this replica (engine/standby.py), so Serve stops it.
+- A standby replica is out of routing (its routing stats say so) and a sleeping engine is
+  never called: a request reaching it gets a retryable error.
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from kvtide.config import KvtideConfig, parse_config
 from kvtide.deployments.engine.core_pinning import EngineCorePin, engine_core_children, engine_cores_exited
 from kvtide.deployments.engine.demo_model import resolve_model
 from kvtide.deployments.engine.placement import bound_cores, cpu_threads_bind, engine_kwargs
-from kvtide.autoscaling.replica_stats import replica_autoscaling_stats
+from kvtide.autoscaling import roles_channel
+from kvtide.autoscaling.replica_stats import RecentTokens, replica_autoscaling_stats
 from kvtide.autoscaling.warm_start import fleet_view, plan_warmup
 from kvtide.deployments.engine.kv_cache_tracker import KvCacheTracker
 from kvtide.deployments.engine.kv_events import KvEventListener, new_ipc_endpoint
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest, VllmLayerCall
 from kvtide.deployments.names import INGRESS_DEPLOYMENT
 from kvtide.deployments.engine.pending_prefill import PendingPrefill
+from kvtide.deployments.engine.standby import ROLE_POLL_S, EngineRole
 from kvtide.deployments.engine.start_phases import describe, start_phases
 from kvtide.deployments.engine.vllm_openai import build_vllm_openai_app
 
@@ -139,11 +144,43 @@ class EngineReplica:
         self.warmup_tokens = metrics.Counter(
             "kvtide_engine_warmup_prefill_tokens", "Prompt tokens a new replica prefilled before taking traffic.",
             tag_keys=("model",))
+        self._in_flight = 0  # generate and vLLM-layer calls running here (a move to standby drains them)
+        autoscaling = self.config.autoscaling
+        self._recent_hits = RecentTokens(autoscaling.cache_value_window_s)
+        # Standby engines and cache-aware scale-down: the autoscaler assigns this replica a role.
+        self.role = EngineRole(self.engine, can_sleep=bool(kwargs.get("enable_sleep_mode")),
+                               sleep_level=autoscaling.sleep_level,
+                               drain_timeout_s=self.config.frontend.admission.request_timeout_s or 600.0,
+                               in_flight=self._requests_in_flight, warm_start=self._warm_start)
         # Serve marks the replica running only when this constructor returns: warm first.
         await self._warm_start()
         self._record_start(constructor_s, imported_s, engine_s, time.time())
         # vLLM's gauges exist from now on, and stay while the engine idles.
         self._gauge_refresh = asyncio.get_running_loop().create_task(self._refresh_gauges())
+        self._role_follower = None
+        if self.config.replicas.autoscaling and autoscaling.manages_roles:
+            self._role_follower = asyncio.get_running_loop().create_task(self._follow_role())
+
+    def _requests_in_flight(self) -> int:
+        return self._in_flight
+
+    async def _follow_role(self) -> None:
+        """Poll the role the autoscaler assigned this replica and move to it (engine/standby.py)."""
+        context = serve.get_replica_context()
+        while True:
+            try:
+                document = await asyncio.to_thread(roles_channel.read, context.app_name, context.deployment)
+                await self.role.apply(roles_channel.role_of(document, self.replica_id))
+            except Exception as exc:  # the GCS briefly unreachable, or a move failed: try again next poll
+                logger.warning("following the autoscaler's role failed: %s: %s", type(exc).__name__, exc)
+            await asyncio.sleep(ROLE_POLL_S)
+
+    def _refuse_if_asleep(self) -> None:
+        if self.role.asleep:
+            from ray.serve.exceptions import ReplicaUnavailableError
+
+            # Retryable: the ingress and HAProxy send it to another replica.
+            raise ReplicaUnavailableError("this engine replica is a standby (asleep); retry on another replica")
 
     def _record_start(self, constructor_s: float, imported_s: float, engine_s: float, warm_s: float) -> None:
         import psutil
@@ -215,6 +252,7 @@ class EngineReplica:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        self._refuse_if_asleep()
         spec = request.sampling
         params = SamplingParams(**spec.vllm_kwargs(self.sampling_defaults), output_kind=RequestOutputKind.DELTA)
         called_s = time.perf_counter()
@@ -224,6 +262,7 @@ class EngineReplica:
             prompt["cache_salt"] = request.cache_salt  # vLLM keeps this salt's cached blocks apart
         self.pending_prefill.start(request.request_id, self._uncached_tokens(request), time.monotonic())
         outputs = self.engine.generate(prompt, params, request_id=request.request_id)
+        self._in_flight += 1
         try:
             async for out in outputs:
                 completion = out.outputs[0]
@@ -250,12 +289,14 @@ class EngineReplica:
             await outputs.aclose()
             raise
         finally:
+            self._in_flight -= 1
             self.pending_prefill.done(request.request_id, now_s=time.monotonic())
 
     async def vllm_openai(self, call: VllmLayerCall) -> AsyncIterator[dict[str, Any]]:
         """Ingress mode: one request answered by vLLM's own serving layer here, streamed back as the
         ASGI messages vLLM's app sends. A cancelled stream (the client left, the deadline passed)
         cancels the app, which aborts the request in the engine."""
+        self._refuse_if_asleep()
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
                  "scheme": "http", "path": call.path, "raw_path": call.path.encode(), "root_path": "",
                  "query_string": b"", "headers": list(call.headers), "client": None, "server": None}
@@ -277,11 +318,13 @@ class EngineReplica:
                 messages.put_nowait(None)
 
         task = asyncio.get_running_loop().create_task(run())
+        self._in_flight += 1
         try:
             while (message := await messages.get()) is not None:
                 yield message
             await task  # vLLM's app failing after its last message is this call's failure
         finally:
+            self._in_flight -= 1
             task.cancel()
 
     def _uncached_tokens(self, request: GenerateRequest) -> int:
@@ -310,6 +353,8 @@ class EngineReplica:
             # How fast that backlog drains (0.0: not known yet): the router drains the
             # report by it until the next one (deployments.routing.backlog).
             "prefill_tokens_per_s": self.pending_prefill.drain_rate_tokens_per_s(time.monotonic()),
+            # A standby (or a replica on its way there or back) takes no requests: routers leave it out.
+            "standby": not self.role.routed,
         }
         if self.kv_listener is not None:
             stats["digest"] = self.kv_listener.digest(time.time())
@@ -318,8 +363,10 @@ class EngineReplica:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve pulls this for the KV autoscaling policy (autoscaling.ray_policy)."""
         load = self.load
+        now_s = time.monotonic()
+        self._recent_hits.observe(now_s, load.prefix_hit_tokens_total)
         return replica_autoscaling_stats(load.kv_usage_perc, load.num_waiting, load.num_running,
-                                         load.num_preemptions_total)
+                                         load.num_preemptions_total, self._recent_hits.within(now_s))
 
     async def check_health(self) -> None:
         # Raises EngineDeadError once the engine core died: Serve then restarts the replica.
@@ -327,11 +374,13 @@ class EngineReplica:
         # The process table too: a replica must not stay "healthy" with no engine core behind it.
         if engine_cores_exited(self.engine_core_pids):
             raise RuntimeError(f"the engine core process(es) {self.engine_core_pids} exited")
+        if self.role.retired:  # the autoscaler chose this replica to stop (autoscaling/standby.py)
+            raise RuntimeError("retired by the autoscaler: a standby past autoscaling.standby_timeout_s")
 
     def __del__(self) -> None:
-        refresh = getattr(self, "_gauge_refresh", None)
-        if refresh is not None:
-            refresh.cancel()
+        for task in (getattr(self, "_gauge_refresh", None), getattr(self, "_role_follower", None)):
+            if task is not None:
+                task.cancel()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -27,7 +27,7 @@ from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 from kvtide.deployments.metric_sampling import SampledObserver
 
 # The vLLM fields `_LoadLogger.record` reads, by class.
-SCHEDULER_STATS_FIELDS = ("kv_cache_usage", "num_running_reqs", "num_waiting_reqs")
+SCHEDULER_STATS_FIELDS = ("kv_cache_usage", "num_running_reqs", "num_waiting_reqs", "prefix_cache_stats")
 ITERATION_STATS_FIELDS = ("num_preempted_reqs",)
 
 
@@ -39,6 +39,7 @@ class EngineLoad:
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions_total: int = 0
+    prefix_hit_tokens_total: int = 0  # prompt tokens served from the prefix cache since start
 
 
 def check_stat_fields() -> None:
@@ -63,6 +64,9 @@ class _LoadLogger(StatLoggerBase):
             self.load.kv_usage_perc = float(scheduler_stats.kv_cache_usage)
             self.load.num_running = int(scheduler_stats.num_running_reqs)
             self.load.num_waiting = int(scheduler_stats.num_waiting_reqs)
+            prefix = scheduler_stats.prefix_cache_stats
+            if prefix is not None:
+                self.load.prefix_hit_tokens_total += int(prefix.hits)
         if iteration_stats is not None:
             self.load.num_preemptions_total += int(iteration_stats.num_preempted_reqs)
 

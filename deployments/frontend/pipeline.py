@@ -32,14 +32,14 @@ import traceback
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig
 from kvtide.deployments.frontend.admission import AdmissionGate, Deadline, admission_limits
-from kvtide.deployments.frontend.engine_client import EngineClient, EngineStream, timeout_error
+from kvtide.deployments.frontend.engine_client import EngineClient, EngineStream, timeout_error, unavailable_error
 from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.frontend.metrics import FrontendMetrics
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec
@@ -139,6 +139,9 @@ class OpenAIFrontend:
         # vLLM's fingerprint of the serving engine (its layer's, so both paths report the same).
         self.system_fingerprint: str | None = None
         self.replica_id = ""  # the engine replica this frontend runs in (direct mode), named in x-kvtide-replica
+        # Direct mode: whether this replica's engine is a sleeping standby (engine/standby.py);
+        # a request reaching it gets the retryable 503, which HAProxy retries on another replica.
+        self.engine_asleep: Callable[[], bool] = lambda: False
         # Serving options that change every answer (a reasoning parser, another response role,
         # any serving.extra_args), or serving.fast_path off: vLLM's layer answers every request.
         serving = config.serving
@@ -150,6 +153,9 @@ class OpenAIFrontend:
     async def handle(self, request: Any, endpoint: str) -> Any:
         """admission → validate and tokenize → generate; every refusal an OpenAI error body."""
         timing = _Timing(arrived_s=time.perf_counter())
+        if self.engine_asleep():
+            self.metrics.on_request_done(self.model_name, endpoint, 503)
+            return error_response(unavailable_error(self.limits))
         if not self.gate.try_enter():
             self.metrics.on_rejected(self.model_name, "ingress_full")
             self.metrics.on_request_done(self.model_name, endpoint, 429)

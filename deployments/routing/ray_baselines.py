@@ -31,7 +31,7 @@ from typing import Any, List, Optional
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from kvtide.deployments.routing.ray_router import is_pick_only
+from kvtide.deployments.routing.ray_router import is_pick_only, routable
 from kvtide.deployments.routing.pick_load import PickOnlyLoad
 
 
@@ -49,7 +49,7 @@ class PickOnlyShortestQueue:
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
-        ranks = await super().choose_replicas(candidate_replicas, pending_request)
+        ranks = await super().choose_replicas(routable(candidate_replicas), pending_request)
         if not is_pick_only(pending_request):
             return ranks
         rank = next((r for r in ranks if r), None)

@@ -138,6 +138,16 @@ def _replica_id(replica_id: ReplicaID) -> str:
     return replica_id.unique_id
 
 
+def routable(candidates: List[RunningReplica]) -> List[RunningReplica]:
+    """The candidates that take requests: a standby says so in its routing stats and is left out.
+
+    All standby (a moment in a fleet's life, e.g. the last active replica just died): all stay,
+    and a sleeping one answers with a retryable error rather than the request having nowhere to go.
+    """
+    serving = [r for r in candidates if not (r.routing_stats or {}).get("standby")]
+    return serving or candidates
+
+
 class PrefixAwareRouter(FIFOMixin, RequestRouter):
     """kvtide's router: cache affinity from the engines' own KV events, under a load guard."""
 
@@ -191,6 +201,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         started_ns = time.perf_counter_ns()
         now_s = time.monotonic()
+        candidate_replicas = routable(candidate_replicas)
         queue_lens = self.replica_queue_len_cache
         snapshots = self._fleet.snapshots((_replica_id(r.replica_id), queue_lens.get(r.replica_id))
                                           for r in candidate_replicas)
@@ -237,6 +248,6 @@ class RoundRobinRouter(FIFOMixin, RequestRouter):
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
-        ordered = sorted(candidate_replicas, key=lambda r: _replica_id(r.replica_id))
+        ordered = sorted(routable(candidate_replicas), key=lambda r: _replica_id(r.replica_id))
         start = next(self._counter) % len(ordered)
         return [[r] for r in ordered[start:] + ordered[:start]]

@@ -16,6 +16,17 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 
 
+WORDS = "red green blue cyan magenta yellow black white orange purple brown pink gray olive navy teal".split()
+
+
+def words_text(seed: int, num_words: int) -> str:
+    """A prompt of `num_words` words drawn by `seed` (about two tokens each on the demo model)."""
+    import random
+
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(num_words))
+
+
 def wait_for(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.5, what: str = "condition"):
     """Poll `predicate` until it returns a truthy value or the deadline passes."""
     deadline = time.monotonic() + timeout_s

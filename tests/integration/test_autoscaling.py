@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import random
 import threading
 from pathlib import Path
 
 import httpx
 from ray import serve
-from support import decided_engines, metric_sum, running_engines, wait_for
+from support import decided_engines, metric_sum, running_engines, wait_for, words_text
 
 from kvtide.cluster.app import build_from_config
 from kvtide.config import load_config
@@ -16,16 +15,10 @@ from kvtide.config import load_config
 REPO = Path(__file__).resolve().parents[2]
 APP = "kvtide-autoscale"
 MODEL = "kvtide-demo-as"
-WORDS = "red green blue cyan magenta yellow black white orange purple brown pink gray olive navy teal".split()
-
-
-def _text(seed: int, num_words: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
 def test_kv_pressure_scales_up_warm_and_back_down(cluster, cluster_config):
-    """Four long requests fill the KV cache → a second replica (queue_length would keep one); it starts warm; idle → one."""
+    """Four long requests fill the KV cache → a second replica (queue_length would keep one); it starts warm; idle → one (the retired one)."""
     config = load_config(REPO / "config/presets/cpu.yaml", [
         f"http.port={cluster_config.http.port}", f"metrics.port={cluster_config.metrics.port}",
         f"served_model_name={MODEL}", "replicas.num_replicas=null", "replicas.min_replicas=1",
@@ -36,6 +29,8 @@ def test_kv_pressure_scales_up_warm_and_back_down(cluster, cluster_config):
         "autoscaling.downscale_delay_s=8", "autoscaling.scale_down_cooldown_s=10",
         "autoscaling.target_kv_perc=0.35", "autoscaling.upper_kv_perc=0.5", "autoscaling.lower_kv_perc=0.15",
         "autoscaling.max_step=1", "autoscaling.warm_start.token_budget=4096",
+        # The scale-down sets the least valuable replica aside and, with no standby wait, retires it.
+        "autoscaling.standby_timeout_s=0",
     ])
     serve.run(build_from_config(config), name=APP, route_prefix="/as", blocking=False)
     base = cluster.base_url + "/as"
@@ -43,7 +38,7 @@ def test_kv_pressure_scales_up_warm_and_back_down(cluster, cluster_config):
     stop = threading.Event()
     try:
         assert running_engines(APP) == 1
-        hot = _text(7, 450)  # a shared system prompt of ~900 tokens, seen by the ingress as hot
+        hot = words_text(7, 450)  # a shared system prompt of ~900 tokens, seen by the ingress as hot
         for i in range(4):
             r = client.post("/v1/completions", json={"model": MODEL, "prompt": f"{hot} q{i}", "max_tokens": 1})
             assert r.status_code == 200, r.text
@@ -54,7 +49,7 @@ def test_kv_pressure_scales_up_warm_and_back_down(cluster, cluster_config):
             while not stop.is_set():
                 n += 1
                 client.post("/v1/completions", json={
-                    "model": MODEL, "prompt": _text(1000 * worker + n, 600), "max_tokens": 300})
+                    "model": MODEL, "prompt": words_text(1000 * worker + n, 600), "max_tokens": 300})
 
         # Few requests, long contexts: 4 in flight is far under the request count Ray's
         # queue_length policy aims for per replica, so it would not add a replica; KV does.

@@ -20,10 +20,14 @@ from kvtide.autoscaling.ray_policy import (
     NUM_RUNNING_KEY,
     NUM_WAITING_KEY,
     POLICY_STATE_KEY,
+    RECENT_HIT_TOKENS_KEY,
+    ROLES_STATE_KEY,
     KvPolicy,
     autoscaling_config,
     law_context,
 )
+
+from kvtide.autoscaling.standby import Roles  # noqa: E402
 
 DEPLOYMENT = DeploymentID(name="Engine", app_name="kvtide")
 NOW_S = 1_000_000.0
@@ -106,8 +110,10 @@ def test_policy_returns_the_laws_decision():
         LawContext(replicas=(ReplicaStats(0.95, 0.0, 3.0, 0.0), ReplicaStats(0.9, 0.0, 3.0, 0.0)),
                    num_running_replicas=2, num_starting_replicas=0, min_replicas=1, max_replicas=8, now_s=NOW_S),
         LawState(pressure_since_s=NOW_S - 40), settings)
-    assert (desired, new_state) == (expected[0], {POLICY_STATE_KEY: expected[1].to_dict()})
+    assert (desired, new_state[POLICY_STATE_KEY]) == (expected[0], expected[1].to_dict())
     assert desired == 3
+    # Cache-aware scale-down is on by default: the two running replicas are the active ones.
+    assert new_state[ROLES_STATE_KEY]["active"] == ["r0", "r1"]
 
 
 def test_policy_state_round_trips_between_ticks():
@@ -127,7 +133,7 @@ def test_policy_state_round_trips_between_ticks():
 
 def test_ray_wrapper_passes_the_decision_through_and_keeps_state():
     """Under Ray's own wrapper (factors, delays set to 0 by kvtide) the law's answer is final and its state kept."""
-    config = ray_config()
+    config = ray_config(scale_down_chooser="ray")  # Serve's counts, no roles (those: the tests below)
     wrapped = _apply_autoscaling_config(policy_from_ray(config))
     state = {POLICY_STATE_KEY: LawState(pressure_since_s=NOW_S - 30).to_dict()}
     desired, new_state = wrapped(context([0.95, 0.95], policy_state=state, config=config))
@@ -149,7 +155,7 @@ def test_context_translation_counts_starting_and_skips_silent_replicas():
 
 def test_scale_down_in_flight_is_not_undone():
     """With target below running (Ray is stopping replicas) a hold returns the target, not the running count."""
-    policy = KvPolicy()
+    policy = KvPolicy(scale_down_chooser="ray")
     desired, _ = policy(context([0.5, 0.5, 0.5], target=2))
     assert desired == 2
 
@@ -183,6 +189,37 @@ def test_policy_logs_one_line_per_change(caplog):
     levels = [r.levelno for r in caplog.records if r.name == "ray.serve.kvtide.autoscaler"]
     assert levels == [logging.INFO, logging.DEBUG]
     assert all("\n" not in r.getMessage() and "reason=hold" in r.getMessage() for r in caplog.records)
+
+
+def test_with_roles_the_law_sees_active_replicas_only():
+    """Standbys are out of the KV average and the counts; the active replicas still missing count as starting."""
+    roles = Roles(("r0", "r1"), {"r2": 0.0}, (), 3)
+    law = law_context(context([0.8, 0.6, 0.0]), look_back_s=30.0, roles=roles)
+    assert [s.kv_usage_perc for s in law.replicas] == [0.8, 0.6]
+    assert (law.num_running_replicas, law.num_starting_replicas) == (2, 1)
+
+
+def test_policy_with_a_standby_wakes_it_for_a_scale_up_and_keeps_the_pool():
+    """Pressure on two active replicas wakes the standby (no cold start), and Serve's target adds a new standby."""
+    policy = KvPolicy(standby_replicas=1)
+    roles = Roles(("r0", "r1"), {"r2": NOW_S - 100}, (), 2)
+    state = {POLICY_STATE_KEY: LawState(pressure_since_s=NOW_S - 40).to_dict(), ROLES_STATE_KEY: roles.to_dict()}
+    desired, new_state = policy(context([0.95, 0.9, 0.0], policy_state=state))
+    after = Roles.from_dict(new_state[ROLES_STATE_KEY])
+    assert after.active == ("r0", "r1", "r2") and dict(after.standby) == {} and desired == 4
+
+
+def test_policy_scale_down_sets_the_least_worth_replica_aside():
+    """Slack on three active replicas: the one whose cache served fewest recent hits goes to standby, not Ray's pick."""
+    policy = KvPolicy(standby_timeout_s=60.0)
+    roles = Roles(("r0", "r1", "r2"), {}, (), 3)
+    state = {POLICY_STATE_KEY: LawState(slack_since_s=NOW_S - 400).to_dict(), ROLES_STATE_KEY: roles.to_dict()}
+    ctx = context([0.35, 0.35, 0.35], policy_state=state)
+    ctx.raw_metrics[RECENT_HIT_TOKENS_KEY] = {replica(i): _series([(1.0, v)], NOW_S) for i, v in enumerate([900, 5, 300])}
+    desired, new_state = policy(ctx)
+    after = Roles.from_dict(new_state[ROLES_STATE_KEY])
+    assert set(after.active) == {"r0", "r2"} and set(after.standby) == {"r1"}
+    assert desired == 3  # r1 stays (asleep) until standby_timeout_s, then retires
 
 
 def test_context_translation_reads_the_newest_raw_samples():

@@ -11,7 +11,7 @@ from ray.serve.config import AutoscalingConfig
 
 from kvtide.config import AutoscalingSettings, WarmStartSettings
 from kvtide.autoscaling.ray_policy import KV_POLICY_PATH, autoscaling_config
-from kvtide.autoscaling.replica_stats import METRIC_KEYS, replica_autoscaling_stats
+from kvtide.autoscaling.replica_stats import METRIC_KEYS, RecentTokens, replica_autoscaling_stats
 
 # kvtide sets Ray's metrics_interval_s (the push period Ray 2.60 really uses); Ray marks the
 # field deprecated and says so on every AutoscalingConfig built here. Expected, not news.
@@ -138,7 +138,22 @@ def test_autoscaling_config_rejects_inverted_bounds():
 
 def test_replica_stats_are_flat_floats_with_documented_keys():
     """record_autoscaling_stats returns the documented keys as floats, KV clamped to 0..1."""
-    stats = replica_autoscaling_stats(kv_usage_perc=1.2, num_waiting=3, num_running=7, num_preemptions_total=11)
+    stats = replica_autoscaling_stats(kv_usage_perc=1.2, num_waiting=3, num_running=7, num_preemptions_total=11,
+                                      recent_hit_tokens=640)
     assert tuple(stats) == METRIC_KEYS
     assert all(type(v) is float for v in stats.values())
-    assert list(stats.values()) == [1.0, 3.0, 7.0, 11.0]
+    assert list(stats.values()) == [1.0, 3.0, 7.0, 11.0, 640.0]
+
+
+@pytest.mark.parametrize("samples, now_s, expected", [
+    ([], 0.0, 0.0),
+    ([(0.0, 100.0), (30.0, 400.0), (59.0, 700.0)], 59.0, 600.0),  # all inside the 60 s window
+    ([(0.0, 100.0), (30.0, 400.0), (90.0, 1000.0)], 90.0, 600.0),  # from the sample at the window's start
+    ([(0.0, 100.0), (10.0, 900.0), (20.0, 50.0), (30.0, 80.0)], 30.0, 30.0),  # the total fell: a fresh count
+])
+def test_recent_tokens_is_the_totals_increase_over_the_window(samples, now_s, expected):
+    """A replica's recent hit tokens: its running total's increase over the last 60 s (the cache-worth input)."""
+    recent = RecentTokens(60.0)
+    for at_s, total in samples:
+        recent.observe(at_s, total)
+    assert recent.within(now_s) == expected

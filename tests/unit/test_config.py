@@ -91,7 +91,7 @@ def test_malformed_override_is_clear():
 def test_autoscaling_bounds_replace_fixed_count():
     """Giving min/max replicas alone switches to autoscaling with min as the initial count."""
     config = parse_config({"replicas": {"min_replicas": 2, "max_replicas": 5}})
-    assert config.replicas.autoscaling and config.replicas.initial_replicas == 2
+    assert config.replicas.autoscaling and config.replicas.replicas_at_start == 2
 
 
 def test_model_name_defaults():

@@ -184,3 +184,18 @@ def test_digest_ages_are_set_per_replica_at_most_every_interval_and_not_for_gone
     assert all(2.0 <= age_s < 60.0 for _, age_s in first)
     assert throttled == []
     assert [rid for rid, _ in after_a_left] == ["b"]
+
+
+def test_a_standby_replica_is_never_ranked_while_an_active_one_can_serve():
+    """Routers leave out a replica whose routing stats say standby, even one holding the prompt's blocks."""
+    async def run() -> None:
+        router = new_router()
+        holder = FakeReplica("engine-a", {**digest_stats("engine-a", 1), "standby": True})
+        other = FakeReplica("engine-b", {"reported_s": 1.0, "standby": False})
+        await update(router, [holder, other])
+        assert ranked_ids(await router.choose_replicas([holder, other], pending(RoutingKey(PROMPT)))) == ["engine-b"]
+        # Every candidate a standby: they stay candidates (a sleeping one answers a retryable error).
+        ranks = await router.choose_replicas([holder], pending(RoutingKey(PROMPT)))
+        assert ranked_ids(ranks) == ["engine-a"]
+
+    asyncio.run(run())
