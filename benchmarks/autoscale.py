@@ -6,7 +6,8 @@
         --hardware "NVIDIA H200 x2" --out-dir benchmarks/results/autoscale-h200
 
 Variants (one local cluster each, started and stopped in turn, same config otherwise):
-- kv            autoscaling.policy=kv, warm start on (kvtide's default)
+- kv-standby    kv with one standby engine (autoscaling.standby_replicas=1): a scale-up wakes it
+- kv            autoscaling.policy=kv, warm start on (kvtide's default): a scale-up starts a replica
 - kv-cold       autoscaling.policy=kv, warm start off (isolates the warm start)
 - queue_length  Ray Serve's request-count policy (target_ongoing_requests from --queue-target-ongoing)
 - fixed-max     no autoscaling: the fleet fixed at the config's max_replicas from the start,
@@ -32,14 +33,17 @@ and each replica's start-up by phase (`ray_kvtide_engine_start_phase_seconds`; d
 "start_phases_s" and "new_replica_start_phases_s").
 
 Reported per variant (`autoscale.json` → "variants", exactly these keys):
-- step_to_decision_s          load step → first sample whose target replicas exceed the target
-                              at the step (null: no scale-up, or fixed-max)
+- step_to_decision_s          load step → first sample whose target replicas, standbys not
+                              counted (the roles the autoscaler publishes), exceed those at the
+                              step (null: no scale-up, or fixed-max)
   (details: "saturation_onset_s", the step → the first probe that waited, TTFT > 5× the low
   phase's median and > 0.1 s, where KV saturation shows to a client; and
   "saturation_to_decision_s", onset → decision: what the ≤ 5 s target counts)
-- step_to_serving_s           load step → first sample with more RUNNING replicas than at the
-                              step; the gap to the decision is the new replica's start, model
-                              load and (kv) warm-up
+- step_to_serving_s           load step → first sample in which a replica that served nothing
+                              before the step runs requests (vLLM's running-requests gauge per
+                              replica; without it: more RUNNING replicas than at the step)
+- decision_to_serving_s       the gap between the two: a woken standby's wake and warm-up, or a
+                              new replica's start, model load and warm-up
 - new_replica_hot_ttft_p50_ms TTFT p50 (ms) of the first `--hot-probes` (20) probes served by the
                               new replica: the first replica that serves a probe sent after the
                               step and was not live (nor serving probes) before it (null: none)
@@ -78,9 +82,9 @@ import httpx
 from kvtide.benchmarks.report import DEFAULT_SLO_TTFT_S, percentile
 from kvtide.deployments.engine.start_phases import PHASES
 
-VARIANT_NAMES = ("kv", "kv-cold", "queue_length", "fixed-max")
-VARIANT_KEYS = ("variant", "step_to_decision_s", "step_to_serving_s", "new_replica_hot_ttft_p50_ms",
-                "replica_seconds", "slo_violations", "errors")
+VARIANT_NAMES = ("kv-standby", "kv", "kv-cold", "queue_length", "fixed-max")
+VARIANT_KEYS = ("variant", "step_to_decision_s", "decision_to_serving_s", "step_to_serving_s",
+                "new_replica_hot_ttft_p50_ms", "replica_seconds", "slo_violations", "errors")
 # The CPU demo config sized for this trace on a 2-core machine (only without --config).
 CPU_OVERRIDES = [
     "metrics.port=8680", "replicas.num_replicas=null", "replicas.min_replicas=1", "replicas.max_replicas=2",
@@ -92,6 +96,7 @@ TRACE_OVERRIDES = [
     "autoscaling.look_back_s=4", "autoscaling.upscale_delay_s=4", "autoscaling.downscale_delay_s=20",
 ]
 KV_METRIC = "ray_vllm_kv_cache_usage_perc"
+RUNNING_REQUESTS_METRIC = "ray_vllm_num_requests_running"
 START_PHASE_METRIC = "ray_kvtide_engine_start_phase_seconds"
 DEFAULT_HOT_PROBES = 20
 WORDS = "red green blue cyan magenta yellow black white orange purple brown pink gray olive navy teal".split()
@@ -99,6 +104,8 @@ WORDS = "red green blue cyan magenta yellow black white orange purple brown pink
 
 def variant_overrides(variant: str, max_replicas: int, queue_target_ongoing: float = 2.0) -> list[str]:
     """The config overrides that make `variant` out of the shared config (applied last)."""
+    if variant == "kv-standby":
+        return ["autoscaling.policy=kv", "autoscaling.warm_start.enabled=true", "autoscaling.standby_replicas=1"]
     if variant == "kv":
         return ["autoscaling.policy=kv", "autoscaling.warm_start.enabled=true"]
     if variant == "kv-cold":
@@ -160,6 +167,8 @@ class Sample:
     target: int
     live: tuple[str, ...] = ()  # live engine replica ids (unknown: empty)
     kv: dict[str, float] = field(default_factory=dict)  # KV usage 0..1 per ReplicaId, as last exported
+    standby: tuple[str, ...] = ()  # replicas the autoscaler keeps out of routing (standby, retiring)
+    running_reqs: dict[str, float] = field(default_factory=dict)  # requests running per ReplicaId
 
 
 @dataclass
@@ -244,16 +253,37 @@ def replica_seconds(samples: Sequence[Sample], end_s: float | None = None) -> fl
     return total
 
 
+def serving_before(samples: Sequence[Sample], step_s: float) -> set[str]:
+    """Replicas that took requests before the step: live and not standby, or seen running requests."""
+    old: set[str] = set()
+    for s in samples:
+        if s.t_s < step_s:
+            old |= set(s.live) - set(s.standby)
+            old |= {r for r, n in s.running_reqs.items() if n > 0}
+    return old
+
+
 def scale_times(samples: Sequence[Sample], step_s: float) -> tuple[float | None, float | None]:
-    """(step → decision, step → serving) in seconds: the first sample at/after the step whose target
-    (running) replicas exceed the count at the step (the last sample before it); None if never."""
+    """(step → decision, step → serving) in seconds; None if never.
+
+    Decision: the first sample at/after the step whose target replicas less its standbys exceed
+    the count at the step (the last sample before it). Serving: the first sample at/after the
+    step in which a replica that did not serve before the step runs requests; where no sample
+    carries running-request counts, the first with more RUNNING replicas than at the step.
+    """
     before = [s for s in samples if s.t_s < step_s]
     after = [s for s in samples if s.t_s >= step_s]
     if not after:
         return None, None
     base = before[-1] if before else after[0]
-    decision = next((s.t_s - step_s for s in after if s.target > base.target), None)
-    serving = next((s.t_s - step_s for s in after if s.running > base.running), None)
+    decision = next((s.t_s - step_s for s in after if s.target - len(s.standby) > base.target - len(base.standby)),
+                    None)
+    if any(s.running_reqs for s in samples):
+        old = serving_before(samples, step_s)
+        serving = next((s.t_s - step_s for s in after
+                        if any(n > 0 and r not in old for r, n in s.running_reqs.items())), None)
+    else:
+        serving = next((s.t_s - step_s for s in after if s.running > base.running), None)
     return decision, serving
 
 
@@ -285,7 +315,7 @@ def new_replica_probes(probes: Sequence[Probe], samples: Sequence[Sample], step_
     The new one: the first replica, in send order, to serve a probe sent at/after the step
     that is not old. ("", []) when no probe reached a new replica.
     """
-    old = {r for s in samples if s.t_s < step_s for r in s.live}
+    old = serving_before(samples, step_s)
     old |= {p.replica for p in probes if p.sent_s < step_s and p.replica}
     ordered = sorted((p for p in probes if p.replica and p.latency_s is not None), key=lambda p: p.sent_s)
     new = next((p.replica for p in ordered if p.sent_s >= step_s and p.replica not in old), "")
@@ -311,6 +341,8 @@ def summarize_run(result: RunResult, trace: Trace, *, slo_ttft_s: float = DEFAUL
     row = {
         "variant": result.variant,
         "step_to_decision_s": decision_s,
+        "decision_to_serving_s": (serving_s - decision_s if serving_s is not None and decision_s is not None
+                                  and serving_s >= decision_s else None),
         "step_to_serving_s": serving_s,
         "new_replica_hot_ttft_p50_ms": percentile(new_ttfts, 50) * 1000 if new_ttfts else None,
         "replica_seconds": replica_seconds(result.samples, trace.total_s),
@@ -354,6 +386,7 @@ def timeline(result: RunResult) -> dict[str, Any]:
         "t_s": [s.t_s for s in result.samples],
         "running": [s.running for s in result.samples],
         "target": [s.target for s in result.samples],
+        "standby": [len(s.standby) for s in result.samples],
         "kv_mean": [kv_mean(s.kv, s.live) for s in result.samples],
         "probe_sent_s": [p.sent_s for p in result.probes],
         "probe_ttft_s": [p.latency_s for p in result.probes],
@@ -376,6 +409,19 @@ def results_json(*, hardware: str, variants: Sequence[Mapping[str, Any]], **extr
 
 def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _poll_standby(app: str) -> tuple[str, ...]:
+    """The replicas the autoscaler keeps out of routing (standby, retiring), from its published roles."""
+    from kvtide.autoscaling import roles_channel
+    from kvtide.deployments.names import ENGINE_DEPLOYMENT
+
+    try:
+        document = roles_channel.read(app, ENGINE_DEPLOYMENT)
+    except Exception:  # no roles (queue_length, or the GCS busy): none kept aside
+        return ()
+    data = json.loads(document) if document else {}
+    return tuple(sorted({*data.get("standby", ()), *data.get("retiring", ())}))
 
 
 def _poll_replicas(app: str) -> tuple[int, int, tuple[str, ...]]:
@@ -453,13 +499,15 @@ async def _drive(base_url: str, metrics_url: str, model: str, trace: Trace, resu
             async with httpx.AsyncClient(timeout=5) as scraper:
                 while (t := time.monotonic() - start) < trace.total_s:
                     running, target, live = await asyncio.to_thread(_poll_replicas, app)
+                    standby = await asyncio.to_thread(_poll_standby, app)
                     try:
                         text = (await scraper.get(metrics_url)).text
                     except httpx.HTTPError:
                         text = ""
                     kv = kv_usage_by_replica(text)
                     result.start_phases.update(start_phases_by_replica(text))
-                    result.samples.append(Sample(t, running, target, live, kv))
+                    result.samples.append(Sample(t, running, target, live, kv, standby,
+                                                 kv_usage_by_replica(text, RUNNING_REQUESTS_METRIC)))
                     await asyncio.sleep(1.0)  # a sampling period, not synchronisation
 
         await asyncio.gather(arrivals(), probes(), watch())
@@ -527,10 +575,10 @@ def markdown(rows: Sequence[Mapping[str, Any]], details: Mapping[str, Mapping[st
         f"{trace.probe_interval_s} s whose latency is its TTFT. SLO: TTFT ≤ {slo_ttft_s:g} s (load and probes; "
         "a failed request misses it).", "",
         f"| variant | replica-seconds | max replicas | step → decision (s) | saturation → decision (s) "
-        "| step → new replica serving (s) "
+        "| decision → serving (s) | step → new replica serving (s) "
         f"| new replica's first {hot_probes} hot probes TTFT p50 (ms, n) | SLO violations / requests "
         "| probe TTFT p50/p99 low (ms) | high (ms) | tail (ms) | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|",
     ]
     for row in rows:
         d = details.get(row["variant"], {})
@@ -540,7 +588,7 @@ def markdown(rows: Sequence[Mapping[str, Any]], details: Mapping[str, Mapping[st
         lines.append(
             f"| {row['variant']} | {row['replica_seconds']:.0f} | {d.get('max_replicas_seen', '–')} "
             f"| {_f(row['step_to_decision_s'])} | {_f(d.get('saturation_to_decision_s'))} "
-            f"| {_f(row['step_to_serving_s'])} | {new} "
+            f"| {_f(row['decision_to_serving_s'], digits=1)} | {_f(row['step_to_serving_s'])} | {new} "
             f"| {row['slo_violations']} / {d.get('requests', '–')} | "
             + " | ".join(f"{_f(ph.get(p, {}).get('p50'), 1000)}/{_f(ph.get(p, {}).get('p99'), 1000)}"
                          for p in ("low", "high", "tail"))
@@ -554,8 +602,9 @@ def markdown(rows: Sequence[Mapping[str, Any]], details: Mapping[str, Mapping[st
               f"{SATURATION_FACTOR:g}× the low phase's median and over {SATURATION_MIN_WAIT_S:g} s): where the "
               "engine's KV filled and it began to queue, as a client sees it.",
               "", "The gap between decision and serving is the new replica's start: Ray scheduling, engine "
-              "start and model load, and (kv) the warm-up prefill. fixed-max runs the max fleet throughout "
-              "(no decision, no new replica).", ""]
+              "start and model load, and (kv) the warm-up prefill; with a standby (kv-standby) it is the "
+              "wake (vLLM sleep mode) and the warm-up. Replica-seconds count standbys (they hold their GPU "
+              "share). fixed-max runs the max fleet throughout (no decision, no new replica).", ""]
     if plot:
         lines += [f"![timeline]({plot})", "", "Per variant over time: running engine replicas, KV-cache usage "
                   "(mean over the live replicas, as Ray last exported it), and probe TTFT (log scale). "
@@ -700,12 +749,16 @@ def write_outputs(out_dir: Path | None, rows: list[dict[str, Any]], details: dic
     report = markdown(rows, details, trace, command=command, hardware=args.hardware, config_desc=config_desc,
                       slo_ttft_s=args.slo_ttft_s, hot_probes=args.hot_probes, failed=failed, plot=plot)
     if out_dir:
+        path = out_dir / "autoscale.json"
+        # The scale-down episode (benchmarks/scale_down.py) writes its part into the same file.
+        kept = ({k: v for k, v in json.loads(path.read_text()).items() if k.startswith("scale_down")}
+                if path.exists() else {})
         data = results_json(
             hardware=args.hardware, variants=rows, command=command,
             config={"path": args.config, "overrides": overrides, "queue_target_ongoing": args.queue_target_ongoing},
             slo_ttft_s=args.slo_ttft_s, hot_probes=args.hot_probes, trace=asdict(trace), details=details,
-            timeline=timelines, failed=failed)
-        (out_dir / "autoscale.json").write_text(json.dumps(data, indent=2) + "\n")
+            timeline=timelines, failed=failed, **kept)
+        path.write_text(json.dumps(data, indent=2) + "\n")
         (out_dir / "report.md").write_text(report)
     return report
 

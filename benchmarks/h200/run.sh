@@ -29,6 +29,10 @@
 #                                              (POLICIES, RATES for shared-prefix, MULTITURN_RATES, RANDOM_RATES)
 #   bash benchmarks/h200/run.sh autoscale      step load, replicas 1 -> 4 (AUTOSCALE_MIN/_MAX; AUTOSCALE_GPU_SHARE each, demo model): kv, kv-cold,
 #                                              queue_length, fixed-max -> autoscale.json, report.md, timeline.png
+#   bash benchmarks/h200/run.sh standby        issue 34 on the 8B shape, one GPU (AUTOSCALE_GPU_SHARE each): the scale-down
+#                                              episode (cache_aware vs ray, Zipf load), then the step load with
+#                                              VARIANTS (kv-standby,kv,queue_length); GPU memory and RSS per engine
+#                                              process every 2 s (standby-memory.txt)
 #   bash benchmarks/h200/run.sh start STAGES   run the stages in order in the background (one session's
 #                                              device time is a few device calls: the driver outlives a call).
 #                                              On a fresh machine this call first installs the wheels: 1-5 min
@@ -209,6 +213,35 @@ autoscale)  # AUTOSCALE_GPU_SHARE: GPU per replica (0.5 = two per GPU on the x2;
   # Each replica's start-up by phase is in autoscale.json (the exported gauge); its log line goes
   # to the replica's Serve log file, which Serve buffers (it may not be flushed before a stop).
   grep -h "start-up:" /tmp/ray/session_*/logs/serve/replica_*.log > "$RES/start-phases.txt" 2>/dev/null
+  ;;
+standby)
+  build_8b; leftovers standby
+  ngpu=$(nvidia-smi -L | wc -l); share=${AUTOSCALE_GPU_SHARE:-0.25}; kv=${AUTOSCALE_KV_BYTES:-2147483648}
+  fleet=(--set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape --set engine.max_model_len=8192
+         --set resources.gpus_per_worker="$share" --set engine.gpu_memory_utilization=null
+         --set http.port=8300 --set metrics.port=8390)
+  hw="$ngpu × NVIDIA H200, Llama-3.1-8B shape, $share GPU per replica"
+  # What a sleeping engine holds: each GPU process's memory and each engine process's RSS, every 2 s.
+  ( while true; do ts=$(date +%s); gpu_of_pids | sed "s/^/$ts gpu /"
+      ps -eo pid,ppid,rss,args | grep -E "VLLM|EngineCore|ServeReplica" | grep -v grep | cut -c1-120 | sed "s/^/$ts ps /"
+      sleep 2; done ) > "$RES/standby-memory.txt" 2>&1 &
+  mem=$!
+  python3 -m kvtide.benchmarks.scale_down --config "$REPO/config/presets/gpu-demo.yaml" "${fleet[@]}" \
+      --set engine.kv_cache_memory_bytes="${SCALE_DOWN_KV_BYTES:-6442450944}" --rate "${SCALE_DOWN_RATE:-8}" \
+      --hardware "$hw, 6 GiB of KV each" --out-dir "$RES/autoscale" > "$RES/scale_down.log" 2>&1
+  echo "scale_down: exit $?" >> "$RES/driver-notes.txt"
+  leftovers standby-step
+  # shellcheck disable=SC2086  # TRACE_ARGS is split into words on purpose
+  python3 -m kvtide.benchmarks.autoscale --config "$REPO/config/presets/gpu-demo.yaml" "${fleet[@]}" \
+      --set replicas.num_replicas=null --set replicas.min_replicas=1 --set replicas.max_replicas="${AUTOSCALE_MAX:-4}" \
+      --set engine.kv_cache_memory_bytes="$kv" --set autoscaling.max_step=3 \
+      --variants "${VARIANTS:-kv-standby,kv,queue_length}" --high-rate "${HIGH_RATE:-6}" \
+      --queue-target-ongoing "${QUEUE_TARGET:-2}" ${TRACE_ARGS:-} \
+      --hardware "$hw, 1 to ${AUTOSCALE_MAX:-4} replicas, $((kv / 1048576)) MiB of KV each" \
+      --out-dir "$RES/autoscale" > "$RES/autoscale.log" 2>&1
+  echo "autoscale: exit $?" >> "$RES/driver-notes.txt"
+  kill $mem
+  grep -h "start-up:\|role:" /tmp/ray/session_*/logs/serve/replica_*.log > "$RES/start-phases.txt" 2>/dev/null
   ;;
 warm)  # one unmeasured cluster of the routing fleet first: the compile caches the measured runs then share
   build_8b; leftovers warm

@@ -89,6 +89,23 @@ def test_scale_times_are_relative_to_the_count_at_the_step():
     assert scale_times([Sample(float(t), 1, 1) for t in range(20)], 10.0) == (None, None)
 
 
+def test_with_a_standby_the_decision_is_the_wake_and_serving_is_its_first_running_request():
+    """A standby live before the step is not "serving"; the wake is a decision (standbys leave the count)."""
+    samples = [Sample(float(t), 2, 2, ("a", "s"), {}, ("s",) if t < 12 else (),
+                      {"a": 3.0, "s": 1.0 if t >= 14 else 0.0}) for t in range(20)]
+    assert scale_times(samples, 10.0) == (2.0, 4.0)
+    # The woken standby's first probes count as the new replica's.
+    probes = [Probe(5.0, 0.02, "a", "low"), Probe(15.0, 0.03, "s", "high")]
+    assert new_replica_probes(probes, samples, step_s=10.0) == ("s", [0.03])
+
+
+def test_serving_counts_only_replicas_that_did_not_serve_before_the_step():
+    """A replica running requests before the step is old; the new one serving is the first that was not."""
+    samples = [Sample(float(t), 2 if t < 16 else 3, 3, ("a", "b"), {}, (),
+                      {"a": 1.0, "b": 1.0, **({"c": 2.0} if t >= 17 else {})}) for t in range(20)]
+    assert scale_times(samples, 10.0) == (None, 7.0)
+
+
 def test_new_replica_first_probes_and_phase_percentiles():
     """The probes served by a replica not live before the step are the new replica's TTFTs."""
     summary = summarize_run(_run(), TRACE)
@@ -141,10 +158,10 @@ def test_fixed_max_reports_no_scale_decision_nor_new_replica():
 
 
 def test_variant_rows_have_exactly_the_issue_keys():
-    """The variant object summarize_run returns carries exactly the keys issue 13 names, nothing else."""
+    """The variant object summarize_run returns carries exactly the keys issues 13 and 34 name, nothing else."""
     assert tuple(summarize_run(_run(), TRACE)["row"]) == VARIANT_KEYS
-    assert VARIANT_KEYS == ("variant", "step_to_decision_s", "step_to_serving_s", "new_replica_hot_ttft_p50_ms",
-                            "replica_seconds", "slo_violations", "errors")
+    assert VARIANT_KEYS == ("variant", "step_to_decision_s", "decision_to_serving_s", "step_to_serving_s",
+                            "new_replica_hot_ttft_p50_ms", "replica_seconds", "slo_violations", "errors")
 
 
 def test_results_json_shape_keeps_extras_out_of_variants():
@@ -251,5 +268,5 @@ def test_markdown_has_one_row_per_variant():
     s = summarize_run(_run(), TRACE)
     text = markdown([s["row"]], {"kv": s["details"]}, Trace(), command="cmd", hardware="CPU", config_desc="c",
                     plot="timeline.png")
-    assert "| kv | 52 | 2 | 4 | 2 | 8 | 35 (2) | 5 / 10 |" in text
+    assert "| kv | 52 | 2 | 4 | 2 | 4.0 | 8 | 35 (2) | 5 / 10 |" in text
     assert "![timeline](timeline.png)" in text

@@ -1,0 +1,54 @@
+"""The scale-down episode's summaries: when the decision came, who left, hit rate and TTFT around it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtide.benchmarks.scale_down import (Request, Episode, decision_time, merge_into, removed_replica, summarize,
+                                          window_stats, zipf_weights)
+
+
+def test_zipf_weights_sum_to_one_and_fall_with_rank():
+    """Group g's share is ∝ 1/(g+1)^s."""
+    w = zipf_weights(4, 1.0)
+    assert sum(w) == pytest.approx(1.0) and w == sorted(w, reverse=True)
+    assert w[0] / w[1] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("samples, decided, removed", [
+    # Ray's choice: Serve's count drops and "b" leaves the live set.
+    ([(0.0, 3, ("a", "b", "c"), ()), (5.0, 3, ("a", "b", "c"), ()), (6.0, 2, ("a", "b", "c"), ()),
+      (8.0, 2, ("a", "c"), ())], 6.0, "b"),
+    # kvtide's choice: the count holds, "c" becomes a standby.
+    ([(0.0, 3, ("a", "b", "c"), ()), (6.0, 3, ("a", "b", "c"), ("c",))], 6.0, "c"),
+    # No scale-down.
+    ([(0.0, 3, ("a", "b", "c"), ()), (6.0, 3, ("a", "b", "c"), ())], None, ""),
+])
+def test_the_decision_is_one_active_replica_fewer_and_the_removed_one_is_named(samples, decided, removed):
+    """Active = target less standbys; the replica that left routing is the one gone or set aside."""
+    assert decision_time(samples) == decided
+    assert (removed_replica(samples, decided) if decided is not None else "") == removed
+
+
+def test_window_stats_are_hit_rate_and_ttft_p90_of_requests_sent_inside():
+    """Cached / prompt tokens and the 90th percentile latency over the window; failures count as errors."""
+    requests = [Request(1.0, True, 0.1, "a", 100, 90), Request(2.0, True, 0.3, "b", 100, 0),
+                Request(3.0, False, None), Request(20.0, True, 9.0, "a", 100, 100)]
+    stats = window_stats(requests, 0.0, 10.0)
+    assert stats["hit_rate"] == pytest.approx(0.45) and stats["requests"] == 3 and stats["errors"] == 1
+    assert 100 < stats["ttft_p90_ms"] <= 300
+
+
+def test_summary_names_the_removed_replicas_share_of_hits_before(tmp_path):
+    """The share of hit tokens the removed replica served before the decision, and the file merge keeps variants."""
+    episode = Episode("ray", [Request(1.0, True, 0.1, "a", 100, 80), Request(2.0, True, 0.1, "b", 100, 20),
+                              Request(12.0, True, 0.2, "a", 100, 10)],
+                      [(0.0, 3, ("a", "b", "c"), ()), (10.0, 2, ("b", "c"), ())])
+    row = summarize(episode, window_s=10.0)
+    assert row["decision_s"] == 10.0 and row["removed_replica"] == "a"
+    assert row["removed_share_of_hits_before"] == pytest.approx(0.8) and row["hit_rate"] == pytest.approx(0.1)
+    (tmp_path / "autoscale.json").write_text(json.dumps({"hardware": "H200", "variants": [{"variant": "kv"}]}))
+    data = json.loads(merge_into(tmp_path, "H200", {"ray": row}, {}).read_text())
+    assert data["variants"] == [{"variant": "kv"}] and data["scale_down"]["ray"]["removed_replica"] == "a"
