@@ -32,7 +32,7 @@ ALLOWED_IMPORTS = {
     "deployments": {"config", "autoscaling"},
     "dashboards": {"config"},
     "cluster": {"config", "autoscaling", "deployments", "dashboards"},
-    "benchmarks": {"config", "deployments", "cluster"},
+    "benchmarks": {"config", "autoscaling", "deployments", "cluster"},
 }
 
 
