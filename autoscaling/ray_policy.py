@@ -154,7 +154,7 @@ class KvPolicy:
             now_s = ctx.current_time if ctx.current_time is not None else time.time()
             roles = reconcile(Roles.from_dict(ctx.policy_state.get(ROLES_STATE_KEY)),
                               [replica_id.unique_id for replica_id in ctx.running_replicas], now_s,
-                              self.tunables.standby_replicas)
+                              self.tunables.standby_replicas, ctx.target_num_replicas)
         context = law_context(ctx, look_back_s, self.tunables.trend_window_s, roles)
         state = LawState.from_dict(ctx.policy_state.get(POLICY_STATE_KEY))
         desired, state, decision = decide(context, state, self.tunables)

@@ -71,16 +71,19 @@ class RolePlan:
     retired: tuple[str, ...] = ()
 
 
-def reconcile(roles: Roles, running: Iterable[str], now_s: float, standby_replicas: int = 0) -> Roles:
+def reconcile(roles: Roles, running: Iterable[str], now_s: float, standby_replicas: int = 0,
+              serve_target: int | None = None) -> Roles:
     """Forget what Serve no longer runs; a new replica becomes active while the fleet is short, else standby.
 
     New replicas are taken in the order Serve lists them, so two ticks over the same list agree.
     With no roles yet (a first deploy, or a controller that lost its policy state) the fleet
-    Serve runs is taken as it is: active, but for the standby pool.
+    Serve is asked for (`serve_target`; else what runs) is taken as it is: active, but for the
+    standby pool. Replicas still starting count, so a deploy's initial_replicas is not undone.
     """
     running = list(running)
     if not (roles.active or roles.standby or roles.retiring or roles.desired_active):
-        roles = Roles(desired_active=max(len(running) - standby_replicas, 1 if running else 0))
+        fleet = max(len(running), serve_target or 0)
+        roles = Roles(desired_active=max(fleet - standby_replicas, 1 if fleet else 0))
     alive = set(running)
     active = [r for r in roles.active if r in alive]
     standby = {r: since for r, since in roles.standby.items() if r in alive}

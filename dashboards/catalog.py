@@ -137,7 +137,8 @@ CATALOG: tuple[Metric, ...] = (
     Metric("ray_kvtide_engine_start_phase_seconds", _G, _E, ("model", "phase"), "seconds",
            "Seconds the replica's start-up spent per phase: process (actor process start to constructor), "
            "import (vLLM in the replica), engine (engine-core spawn, model load, KV cache, CUDA graphs), "
-           "warm_start (hot-prefix prefill).", "model", needs="a replica that finished starting"),
+           "warm_start (hot-prefix prefill); wake (a woken standby: vLLM's wake and the warm-up prefill).", "model",
+           needs="a replica that finished starting"),
     # --- router (deployments/routing/ray_router.py; in the routing peer's or each Ingress replica's process) --
     Metric("ray_kvtide_router_decisions_total", _C, _R, ("policy", "outcome", "route"), "decisions",
            "Routing decisions by policy, outcome (cache_hit, load_fallback, no_match) and route (session: the "

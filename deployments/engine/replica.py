@@ -37,7 +37,7 @@ from kvtide.deployments.messages import GenerateDelta, GenerateRequest, VllmLaye
 from kvtide.deployments.names import INGRESS_DEPLOYMENT
 from kvtide.deployments.engine.pending_prefill import PendingPrefill
 from kvtide.deployments.engine.standby import ROLE_POLL_S, EngineRole
-from kvtide.deployments.engine.start_phases import describe, start_phases
+from kvtide.deployments.engine.start_phases import WAKE_PHASE, describe, start_phases
 from kvtide.deployments.engine.vllm_openai import build_vllm_openai_app
 
 logger = replica_logger("engine")
@@ -189,7 +189,8 @@ class EngineReplica:
         logger.info("replica %s start-up: %s", self.replica_id, describe(phases))
         self._start_gauge = metrics.Gauge("kvtide_engine_start_phase_seconds",
                                           "Seconds this engine replica's start-up spent per phase (process, import, "
-                                          "engine, warm_start).", tag_keys=("model", "phase"))
+                                          "engine, warm_start; wake once a standby was woken).",
+                                          tag_keys=("model", "phase"))
         self._start_phases = phases
         self._set_start_phases()
 
@@ -197,7 +198,10 @@ class EngineReplica:
         # Set again with the other gauges (_refresh_gauges): Ray's metrics agent drops a gauge
         # that is not set for a while, so a fleet whose replicas all started long ago would show
         # "No data" in the start-up panel.
-        for phase, seconds in self._start_phases.items():
+        phases = dict(self._start_phases)
+        if self.role.last_wake_s is not None:  # a standby's wake replaces a cold start
+            phases[WAKE_PHASE] = self.role.last_wake_s
+        for phase, seconds in phases.items():
             self._start_gauge.set(seconds, {"model": self.config.model_name, "phase": phase})
 
     async def _refresh_gauges(self) -> None:

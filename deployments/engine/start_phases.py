@@ -12,11 +12,15 @@ Phases, from wall-clock stamps taken in the replica's constructor:
     engine        AsyncLLM.from_engine_args: engine-core process spawn, its imports,
                   model load, KV cache, CUDA graphs
     warm_start    prefilling the fleet's hot prefixes
+
+And, once a standby has been woken (engine/standby.py), the gauge's phase `wake`: vLLM's wake
+from sleep mode plus the warm-up prefill, the whole of what a scale-up waits for with a standby.
 """
 
 from __future__ import annotations
 
 PHASES = ("process", "import", "engine", "warm_start")
+WAKE_PHASE = "wake"
 
 
 def start_phases(process_start_s: float, constructor_s: float, imported_s: float, engine_s: float,

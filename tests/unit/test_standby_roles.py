@@ -55,6 +55,15 @@ def test_scale_down_puts_the_least_valuable_cache_to_standby(worth, demoted):
     assert plan.serve_target == 3  # the demoted replica stays until its timeout
 
 
+def test_a_first_deploy_keeps_its_initial_replicas_while_they_start():
+    """No roles and nothing running yet: the replicas Serve is starting count as the active ones asked for."""
+    roles = reconcile(Roles(), [], now_s=0.0, standby_replicas=1, serve_target=4)
+    assert roles.desired_active == 3 and roles.active == ()
+    # The law then sees 3 starting, holds; the target stays 3 active + the pool.
+    assert assign(roles, 3, worth={}, now_s=0.0, **POOL).serve_target == 4
+    assert reconcile(roles, ["a", "b", "c", "d"], now_s=1.0).active == ("a", "b", "c")
+
+
 def test_worth_order_is_least_first_then_by_id():
     """The scale-down order: least worth first, ties by replica id."""
     assert cache_worth_order(["c", "a", "b"], {"a": 5.0, "b": 5.0, "c": 1.0}) == ["c", "a", "b"]
