@@ -125,8 +125,9 @@ class AutoscalingSettings(Strict):
     scale_down_chooser: Literal["cache_aware", "ray"] = Field(
         "cache_aware",
         description="Which replica a scale-down takes. cache_aware: the active replica whose cache is worth least "
-        "(prefix-cache hit tokens it served within cache_value_window_s) goes to standby and is stopped after "
-        "standby_timeout_s; ray: Ray Serve chooses which replica to stop. kv policy only.",
+        "(prefix-cache hit tokens it served within cache_value_window_s) goes to standby (asleep when "
+        "standby_replicas > 0 on GPU, else awake and unrouted) and is stopped after standby_timeout_s; ray: Ray "
+        "Serve chooses which replica to stop. kv policy only.",
     )
     cache_value_window_s: float = Field(
         60.0, gt=0.0, le=3600.0,

@@ -64,6 +64,7 @@ KVTIDE_SETS_ENGINE_ARGS = {
     "max_loras": "from lora.max_loras",
     "max_lora_rank": "from lora.max_lora_rank",
     "max_cpu_loras": "from lora.max_cpu_loras",
+    "enable_sleep_mode": "on for GPU engines with autoscaling.standby_replicas > 0: standbys sleep",
 }
 
 # Block sizes vLLM's paged KV cache accepts (powers of two from 1 to 256 on CPU and GPU).

@@ -73,9 +73,11 @@ def engine_kwargs(config: KvtideConfig, model_path: str) -> dict[str, Any]:
         # utilization") once the first holds its weights.
         # The engine's share of the GPU is the honest claim.
         kwargs["gpu_memory_utilization"] = round(config.resources.gpus_per_worker * SHARED_GPU_UTILIZATION, 4)
-    if config.resources.device == "gpu" and config.replicas.autoscaling and config.autoscaling.manages_roles:
-        # A standby (or a replica a scale-down set aside) sleeps: weights offloaded, KV freed.
-        # vLLM allows sleep mode on CUDA/ROCm/XPU only; on CPU a standby stays awake, unrouted.
+    if (config.resources.device == "gpu" and config.replicas.autoscaling and config.autoscaling.policy == "kv"
+            and config.autoscaling.standby_replicas > 0):
+        # A standby (and a replica a scale-down set aside) sleeps: weights offloaded, KV freed.
+        # Only when standbys are asked for: sleep mode changes how vLLM allocates GPU memory.
+        # vLLM allows it on CUDA/ROCm/XPU only; on CPU a standby stays awake, unrouted.
         kwargs["enable_sleep_mode"] = True
     kwargs.update(config.serving.engine_args())
     kwargs.update(config.lora.engine_args())

