@@ -46,7 +46,7 @@ class EngineServer(EngineReplica):
         self.frontend.vllm_app = self.vllm_app
         self.frontend.system_fingerprint = system_fingerprint(self.vllm_app)
         self.frontend.replica_id = self.replica_id
-        self.frontend.engine_asleep = lambda: self.role.asleep
+        self.frontend.engine_asleep = lambda: self.role.refuses_requests
 
     def _requests_in_flight(self) -> int:
         # Every HTTP request holds an admission ticket while it runs (vLLM-layer ones too).

@@ -176,7 +176,7 @@ class EngineReplica:
             await asyncio.sleep(ROLE_POLL_S)
 
     def _refuse_if_asleep(self) -> None:
-        if self.role.asleep:
+        if self.role.refuses_requests:
             from ray.serve.exceptions import ReplicaUnavailableError
 
             # Retryable: the ingress and HAProxy send it to another replica.

@@ -14,8 +14,8 @@ The autoscaler assigns roles (`autoscaling.standby`) and publishes them in Ray's
 
 Invariants:
 - Moves run one at a time, in the order the roles arrive; a role seen mid-move is applied next.
-- A sleeping engine is never handed a request: the replica answers it with a retryable 503
-  (HAProxy, or the ingress, retries it on another replica).
+- A sleeping engine is never handed a request, nor one moving to or from sleep: the replica
+  answers it with a retryable 503 (HAProxy, or the ingress, retries it on another replica).
 - Routers leave a replica out from the stats pull after its move starts until it is warm again.
 """
 
@@ -52,6 +52,14 @@ class EngineRole:
         self.asleep = False
         self.moves = 0
         self.last_wake_s: float | None = None  # seconds the last standby → active took (wake + warm start)
+
+    @property
+    def refuses_requests(self) -> bool:
+        """A sleeping engine, or one on its way to or from sleep, takes no request (it gets a retryable error).
+
+        An engine that cannot sleep (CPU) serves whatever still reaches it while unrouted.
+        """
+        return self.asleep or (self.can_sleep and not self.routed)
 
     @property
     def retired(self) -> bool:

@@ -67,3 +67,16 @@ def test_a_move_to_standby_waits_for_requests_in_flight_before_dropping_the_cach
 
     role, calls = run_moves([STANDBY], can_sleep=False, in_flight=in_flight)
     assert left == [0] and calls == ["reset_prefix_cache"] and not role.routed
+
+
+@pytest.mark.parametrize("can_sleep, moves, refuses", [
+    (True, [STANDBY], True),  # asleep
+    (True, [STANDBY, ACTIVE], False),  # woken and warm
+    (False, [STANDBY], False),  # CPU: awake, unrouted, still serves a request that reaches it
+    (True, [], False),  # active
+])
+def test_a_replica_refuses_requests_only_where_its_engine_sleeps_or_is_moving_to_or_from_sleep(can_sleep, moves,
+                                                                                             refuses):
+    """Which replicas answer a request with a retryable error instead of calling the engine."""
+    role, _ = run_moves(moves, can_sleep=can_sleep)
+    assert role.refuses_requests is refuses
