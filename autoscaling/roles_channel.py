@@ -22,14 +22,18 @@ def encode(roles: Roles) -> bytes:
     return json.dumps({"standby": sorted(roles.standby), "retiring": sorted(roles.retiring)}).encode()
 
 
+def decode(document: bytes | None) -> dict[str, set[str]]:
+    """{"standby": ids, "retiring": ids} of a published document (both empty when none is published)."""
+    data = json.loads(document) if document else {}
+    return {"standby": set(data.get("standby", ())), "retiring": set(data.get("retiring", ()))}
+
+
 def role_of(document: bytes | None, replica_id: str) -> str:
     """This replica's role in a published document ("active" when none is published or it is not named)."""
-    if not document:
-        return "active"
-    data = json.loads(document)
-    if replica_id in data.get("retiring", ()):
+    kept_aside = decode(document)
+    if replica_id in kept_aside["retiring"]:
         return "retiring"
-    if replica_id in data.get("standby", ()):
+    if replica_id in kept_aside["standby"]:
         return "standby"
     return "active"
 

@@ -420,8 +420,8 @@ def _poll_standby(app: str) -> tuple[str, ...]:
         document = roles_channel.read(app, ENGINE_DEPLOYMENT)
     except Exception:  # no roles (queue_length, or the GCS busy): none kept aside
         return ()
-    data = json.loads(document) if document else {}
-    return tuple(sorted({*data.get("standby", ()), *data.get("retiring", ())}))
+    kept_aside = roles_channel.decode(document)
+    return tuple(sorted(kept_aside["standby"] | kept_aside["retiring"]))
 
 
 def _poll_replicas(app: str) -> tuple[int, int, tuple[str, ...]]:

@@ -64,8 +64,8 @@ def _replica_rank() -> int:
         return 0
 
 
-def engine_core_pin(device: str) -> EngineCorePin | None:
-    """On CPU, the pin for this replica's engine core (see core_pinning); None on GPU or when the binding is unreadable."""
+def engine_core_pin(device: str, engine_core_pids: list[int]) -> EngineCorePin | None:
+    """On CPU, the pin for this replica's engine cores (see core_pinning); None on GPU or when the binding is unreadable."""
     if device != "cpu":
         return None
     threads_bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
@@ -74,7 +74,7 @@ def engine_core_pin(device: str) -> EngineCorePin | None:
     except ValueError:
         logger.warning("engine core left unpinned: cannot read VLLM_CPU_OMP_THREADS_BIND=%r", threads_bind)
         return None
-    return EngineCorePin(cores, frozenset(os.sched_getaffinity(0))) if cores else None
+    return EngineCorePin(cores, frozenset(os.sched_getaffinity(0)), lambda: engine_core_pids) if cores else None
 
 
 class EngineReplica:
@@ -132,9 +132,9 @@ class EngineReplica:
         # vLLM's own OpenAI app on this engine, for the requests kvtide's path does not implement
         # (the frontend hands them over in-process in direct mode, over `vllm_openai` in ingress mode).
         self.vllm_app = await build_vllm_openai_app(self.config, self.engine)
-        # The engine-core processes this replica started, for the health check.
+        # The engine-core processes this replica started, for the health check and the CPU pin.
         self.engine_core_pids = engine_core_children()
-        self.core_pin = engine_core_pin(self.config.resources.device)
+        self.core_pin = engine_core_pin(self.config.resources.device, self.engine_core_pids)
         if self.core_pin:
             self.core_pin.apply()
         # vLLM's request_success counter does not count aborts; kvtide does.

@@ -27,11 +27,7 @@ MODEL = "kvtide-demo-sb"
 
 def _roles() -> dict[str, set[str]]:
     """The autoscaler's published roles: {"standby": ids, "retiring": ids} (active: every other replica)."""
-    import json
-
-    document = roles_channel.read(APP, ENGINE_DEPLOYMENT)
-    data = json.loads(document) if document else {}
-    return {"standby": set(data.get("standby", ())), "retiring": set(data.get("retiring", ()))}
+    return roles_channel.decode(roles_channel.read(APP, ENGINE_DEPLOYMENT))
 
 
 def _served_by(client: httpx.Client, prompt: str) -> str:

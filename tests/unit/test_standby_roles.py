@@ -116,3 +116,12 @@ def test_roles_round_trip_through_policy_state():
     """Roles survive Ray's policy-state dict unchanged."""
     roles = Roles(("a",), {"s": 1.5}, ("r",), 2)
     assert Roles.from_dict(roles.to_dict()) == roles and Roles.from_dict(None) == Roles()
+
+
+def test_the_published_document_names_only_the_replicas_kept_aside():
+    """A replica not named is active; the document round-trips through encode/decode."""
+    from kvtide.autoscaling.roles_channel import decode, encode, role_of
+
+    document = encode(Roles(("a",), {"s": 1.0}, ("r",), 1))
+    assert decode(document) == {"standby": {"s"}, "retiring": {"r"}} and decode(None) == {"standby": set(), "retiring": set()}
+    assert [role_of(document, r) for r in ("a", "s", "r", "new")] == ["active", "standby", "retiring", "active"]
