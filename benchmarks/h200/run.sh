@@ -228,6 +228,7 @@ standby)
   mem=$!
   python3 -m kvtide.benchmarks.scale_down --config "$REPO/config/presets/gpu-demo.yaml" "${fleet[@]}" \
       --set engine.kv_cache_memory_bytes="${SCALE_DOWN_KV_BYTES:-6442450944}" --rate "${SCALE_DOWN_RATE:-8}" \
+      --set autoscaling.downscale_delay_s="${SCALE_DOWN_DELAY_S:-45}" --window-s 60 \
       --hardware "$hw, 6 GiB of KV each" --out-dir "$RES/autoscale" > "$RES/scale_down.log" 2>&1
   echo "scale_down: exit $?" >> "$RES/driver-notes.txt"
   leftovers standby-step
@@ -236,7 +237,7 @@ standby)
       --set replicas.num_replicas=null --set replicas.min_replicas=1 --set replicas.max_replicas="${AUTOSCALE_MAX:-4}" \
       --set engine.kv_cache_memory_bytes="$kv" --set autoscaling.max_step=3 \
       --variants "${VARIANTS:-kv-standby,kv,queue_length}" --high-rate "${HIGH_RATE:-6}" \
-      --queue-target-ongoing "${QUEUE_TARGET:-2}" ${TRACE_ARGS:-} \
+      --queue-target-ongoing "${QUEUE_TARGET:-2}" ${TRACE_ARGS:---low-s 20 --high-s 120 --tail-s 10 --hot-prefix-words 4000} \
       --hardware "$hw, 1 to ${AUTOSCALE_MAX:-4} replicas, $((kv / 1048576)) MiB of KV each" \
       --out-dir "$RES/autoscale" > "$RES/autoscale.log" 2>&1
   echo "autoscale: exit $?" >> "$RES/driver-notes.txt"
