@@ -226,11 +226,13 @@ standby)
       ps -eo pid,ppid,rss,args | grep -E "VLLM|EngineCore|ServeReplica" | grep -v grep | cut -c1-120 | sed "s/^/$ts ps /"
       sleep 2; done ) > "$RES/standby-memory.txt" 2>&1 &
   mem=$!
-  [ "${SCALE_DOWN:-1}" = 1 ] && python3 -m kvtide.benchmarks.scale_down --config "$REPO/config/presets/gpu-demo.yaml" "${fleet[@]}" \
+  if [ "${SCALE_DOWN:-1}" = 1 ]; then  # SCALE_DOWN=0: the step load only
+  python3 -m kvtide.benchmarks.scale_down --config "$REPO/config/presets/gpu-demo.yaml" "${fleet[@]}" \
       --set engine.kv_cache_memory_bytes="${SCALE_DOWN_KV_BYTES:-6442450944}" --rate "${SCALE_DOWN_RATE:-8}" \
       --set autoscaling.downscale_delay_s="${SCALE_DOWN_DELAY_S:-45}" --window-s 60 \
       --hardware "$hw, 6 GiB of KV each" --out-dir "$RES/autoscale" > "$RES/scale_down.log" 2>&1
   echo "scale_down: exit $?" >> "$RES/driver-notes.txt"
+  fi
   leftovers standby-step
   # shellcheck disable=SC2086  # TRACE_ARGS is split into words on purpose
   python3 -m kvtide.benchmarks.autoscale --config "$REPO/config/presets/gpu-demo.yaml" "${fleet[@]}" \
