@@ -448,6 +448,14 @@ def _poll_replicas(app: str) -> tuple[int, int, tuple[str, ...]]:
     return running, target, live
 
 
+async def preflight(client: httpx.AsyncClient, model: str, prompt: str) -> None:
+    """One probe before the trace: a probe the server rejects (e.g. a hot prefix longer than
+    max_model_len) would turn every probe into an error, so the variant fails at once, saying why."""
+    r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1})
+    if 400 <= r.status_code < 500:
+        raise ValueError(f"the hot-prefix probe is rejected (HTTP {r.status_code}): {r.text[:300]}")
+
+
 async def _drive(base_url: str, metrics_url: str, model: str, trace: Trace, result: RunResult, app: str,
                  seed: int) -> None:
     from kvtide.benchmarks.loadgen import send_one
@@ -457,6 +465,7 @@ async def _drive(base_url: str, metrics_url: str, model: str, trace: Trace, resu
     hot = _words(random.Random(seed + 1), trace.hot_prefix_words)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
+        await preflight(client, model, f"{hot} question -1?")
         start = time.monotonic()
         t0 = time.perf_counter()
         tasks: list[asyncio.Task] = []

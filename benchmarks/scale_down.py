@@ -5,13 +5,20 @@
 
 Per chooser (`autoscaling.scale_down_chooser`), one local cluster: three active engine replicas
 (`replicas.initial_replicas`, min 2, max 3: exactly one scale-down), then a steady open-loop load of
-requests over `--groups` system prompts drawn Zipf(`--zipf-s`), each with a question of its own and
-one output token (the latency of a non-streamed one-token request is its TTFT). The load keeps the
-KV cache cool, so the KV law scales down after `autoscaling.downscale_delay_s`:
+requests over `--groups` system prompts (the first `--groups` requests take each once, so every prompt
+is cached somewhere; then Zipf(`--zipf-s`)), each with a question of its own and one output token (the
+latency of a non-streamed one-token request is its TTFT). The load keeps the KV cache cool, so the KV
+law scales down after `autoscaling.downscale_delay_s`:
 - cache_aware: the replica whose cache served fewest prefix-cache hit tokens recently goes to
   standby (kvtide's choice, autoscaling/standby.py);
 - ray: Serve's count drops and Ray stops a replica of its choosing (Ray 2.60: the newest on the
   node with fewest replicas).
+
+With `--shift-at-s S` the load shifts at S seconds to the prompts that the replica Ray would stop
+served last (the Serve controller's newest RUNNING replica): the case where the replica Ray removes
+holds the cache still in use, as after a scale-up for a tenant that stays while the older tenants
+leave. Without it, prefix-aware routing spreads the Zipf load so every replica's cache is worth
+about the same.
 
 Reported per chooser (autoscale.json → "scale_down", merged into the file autoscale.py writes):
 - decision_s: trace start → the first sample with one active replica fewer
@@ -21,6 +28,7 @@ Reported per chooser (autoscale.json → "scale_down", merged into the file auto
 - removed_replica, removed_share_of_hits_before: the replica that left routing and its share
   of the hit tokens served in the window before (what the choice threw away)
 - requests, errors
+- shift (with --shift-at-s): when, Ray's would-be victim then, the groups kept
 Bounded: the trace ends `--window-s` after the decision or at `--max-s`.
 """
 
@@ -60,6 +68,7 @@ class Request:
     replica: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    group: int = -1
 
 
 @dataclass
@@ -67,6 +76,7 @@ class Episode:
     chooser: str
     requests: list[Request] = field(default_factory=list)
     samples: list[tuple[float, int, tuple[str, ...], tuple[str, ...]]] = field(default_factory=list)  # t, target, live, standby
+    shift: dict[str, Any] = field(default_factory=dict)  # at_s, ray_victim, kept_groups (with --shift-at-s)
 
 
 def zipf_weights(num_groups: int, s: float) -> list[float]:
@@ -74,6 +84,40 @@ def zipf_weights(num_groups: int, s: float) -> list[float]:
     raw = [1.0 / (g + 1) ** s for g in range(num_groups)]
     total = sum(raw)
     return [w / total for w in raw]
+
+
+def groups_last_served_by(requests: Sequence[Request], replica: str) -> list[int]:
+    """The groups whose latest successful request (by send time) the replica served."""
+    last: dict[int, str] = {}
+    for r in sorted((r for r in requests if r.ok and r.group >= 0), key=lambda r: r.sent_s):
+        last[r.group] = r.replica
+    return sorted(g for g, served_by in last.items() if served_by == replica)
+
+
+def next_group(i: int, rng: random.Random, weights: Sequence[float], kept: Sequence[int] | None) -> int:
+    """Request i's group: each group once in order first, then Zipf over all, or over `kept` after a shift."""
+    if kept is not None:
+        return rng.choices(kept, [weights[g] for g in kept])[0]
+    if i < len(weights):
+        return i
+    return rng.choices(range(len(weights)), weights)[0]
+
+
+def ray_victim(app: str) -> str:
+    """The engine replica Ray 2.60 stops first on a one-node cluster: the newest RUNNING one
+    (DeploymentScheduler._get_replicas_to_stop orders running replicas newest first; the controller's
+    replica container keeps the same insertion order). A private controller call: benchmarks only."""
+    import ray
+    from ray.serve._private.common import DeploymentID, ReplicaState
+    from ray.serve.context import _get_global_client
+
+    from kvtide.deployments.names import ENGINE_DEPLOYMENT
+
+    controller = _get_global_client()._controller
+    container = ray.get(controller._dump_replica_states_for_testing.remote(
+        DeploymentID(name=ENGINE_DEPLOYMENT, app_name=app)))
+    running = container.get([ReplicaState.RUNNING])
+    return running[-1].replica_id.unique_id if running else ""
 
 
 def decision_time(samples: Sequence[tuple[float, int, tuple[str, ...], tuple[str, ...]]]) -> float | None:
@@ -123,12 +167,13 @@ def summarize(episode: Episode, window_s: float) -> dict[str, Any]:
             "hit_rate_before": before["hit_rate"], "ttft_p90_before_ms": before["ttft_p90_ms"],
             "removed_replica": removed,
             "removed_share_of_hits_before": removed_hits / total_hits if total_hits else None,
-            "requests": after["requests"], "errors": after["errors"]}
+            "requests": after["requests"], "errors": after["errors"],
+            **({"shift": episode.shift} if episode.shift else {})}
 
 
 async def _drive(base_url: str, model: str, app: str, episode: Episode, *, groups: int, zipf_s: float,
                  prefix_words: int, question_words: int, rate: float, window_s: float, max_s: float,
-                 seed: int) -> None:
+                 seed: int, shift_at_s: float | None = None) -> None:
     rng = random.Random(seed)
     prefixes = [" ".join(random.Random(seed * 131 + g).choice(WORDS) for _ in range(prefix_words))
                 for g in range(groups)]
@@ -138,9 +183,10 @@ async def _drive(base_url: str, model: str, app: str, episode: Episode, *, group
         start = time.monotonic()
         tasks: list[asyncio.Task] = []
         end_s = [max_s]
+        kept: list[list[int] | None] = [None]
 
         async def one(i: int) -> None:
-            group = rng.choices(range(groups), weights)[0]
+            group = next_group(i, rng, weights, kept[0])
             question = " ".join(rng.choice(WORDS) for _ in range(question_words))
             sent = time.monotonic() - start
             t1 = time.perf_counter()
@@ -148,15 +194,15 @@ async def _drive(base_url: str, model: str, app: str, episode: Episode, *, group
                 r = await client.post("/v1/completions", json={
                     "model": model, "prompt": f"{prefixes[group]} question {i}: {question}?", "max_tokens": 1})
                 if r.status_code != 200:
-                    episode.requests.append(Request(sent, False, None))
+                    episode.requests.append(Request(sent, False, None, group=group))
                     return
                 usage = r.json().get("usage", {})
                 episode.requests.append(Request(
                     sent, True, time.perf_counter() - t1, r.headers.get("x-kvtide-replica", ""),
                     int(usage.get("prompt_tokens", 0)),
-                    int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
+                    int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0), group))
             except httpx.HTTPError:
-                episode.requests.append(Request(sent, False, None))
+                episode.requests.append(Request(sent, False, None, group=group))
 
         async def arrivals() -> None:
             i = 0
@@ -164,6 +210,18 @@ async def _drive(base_url: str, model: str, app: str, episode: Episode, *, group
                 await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals: pacing, not synchronisation
                 tasks.append(asyncio.create_task(one(i)))
                 i += 1
+
+        async def shift() -> None:
+            await asyncio.sleep(shift_at_s)  # the trace's shift time: a schedule, not synchronisation
+            try:
+                victim = await asyncio.to_thread(ray_victim, app)
+            except Exception as exc:  # without the victim the load stays as it was, and says why
+                episode.shift = {"at_s": shift_at_s, "ray_victim": "", "kept_groups": [],
+                                 "error": f"{type(exc).__name__}: {exc}"[:200]}
+                return
+            chosen = groups_last_served_by(episode.requests, victim)
+            episode.shift = {"at_s": shift_at_s, "ray_victim": victim, "kept_groups": chosen}
+            kept[0] = chosen or None
 
         async def watch() -> None:
             while (t := time.monotonic() - start) < end_s[0]:
@@ -175,7 +233,7 @@ async def _drive(base_url: str, model: str, app: str, episode: Episode, *, group
                     end_s[0] = min(end_s[0], decided + window_s + 1.0)
                 await asyncio.sleep(1.0)  # a sampling period, not synchronisation
 
-        await asyncio.gather(arrivals(), watch())
+        await asyncio.gather(arrivals(), watch(), *([shift()] if shift_at_s is not None else []))
         await asyncio.gather(*tasks)
 
 
@@ -188,7 +246,8 @@ def run_episode(chooser: str, config: Any, args: argparse.Namespace) -> Episode:
         episode = Episode(chooser)
         asyncio.run(_drive(cluster.base_url, cluster.model_name, local.APP_NAME, episode, groups=args.groups,
                            zipf_s=args.zipf_s, prefix_words=args.prefix_words, question_words=args.question_words,
-                           rate=args.rate, window_s=args.window_s, max_s=args.max_s, seed=args.seed))
+                           rate=args.rate, window_s=args.window_s, max_s=args.max_s, seed=args.seed,
+                           shift_at_s=args.shift_at_s))
     finally:
         local.stop()
     return episode
@@ -218,6 +277,13 @@ def markdown(rows: dict[str, Any], command: str, window_s: float) -> str:
         lines.append(f"| {chooser} | {f(r['decision_s'], digits=1)} | {f(r['hit_rate'], digits=3)} "
                      f"| {f(r['ttft_p90_ms'])} | {f(r['hit_rate_before'], digits=3)} | {f(r['ttft_p90_before_ms'])} "
                      f"| {f(r['removed_share_of_hits_before'], digits=3)} | {r['requests']} | {r['errors']} |")
+    shifted = [(chooser, r["shift"]) for chooser, r in rows.items() if r.get("shift")]
+    if shifted:
+        lines.append("")
+    for chooser, shift in shifted:
+        lines.append(f"- {chooser}: at {shift['at_s']:.0f} s the load narrowed to groups {shift['kept_groups']}, last "
+                     f"served by `{shift['ray_victim'] or '?'}` (the replica Ray would stop then; removed: "
+                     f"`{rows[chooser]['removed_replica'] or '–'}`){' — ' + shift['error'] if shift.get('error') else ''}")
     return "\n".join(lines) + "\n"
 
 
@@ -236,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-s", type=float, default=240.0)
     parser.add_argument("--metrics-interval-ms", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shift-at-s", type=float, default=None,
+                        help="at this time the load narrows to the prompts last served by the replica Ray would stop")
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args(argv)
     from kvtide.config import load_config
@@ -246,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, Any] = {}
     extras: dict[str, Any] = {"command": command, "overrides": [*EPISODE_OVERRIDES, *args.overrides],
                               "trace": {k: getattr(args, k) for k in ("groups", "zipf_s", "prefix_words",
-                                                                       "question_words", "rate", "window_s")},
+                                                                       "question_words", "rate", "window_s", "shift_at_s")},
                               "samples": {}, "failed": {}}
     for chooser in [c.strip() for c in args.choosers.split(",") if c.strip()]:
         try:

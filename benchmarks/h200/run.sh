@@ -29,10 +29,10 @@
 #                                              (POLICIES, RATES for shared-prefix, MULTITURN_RATES, RANDOM_RATES)
 #   bash benchmarks/h200/run.sh autoscale      step load, replicas 1 -> 4 (AUTOSCALE_MIN/_MAX; AUTOSCALE_GPU_SHARE each, demo model): kv, kv-cold,
 #                                              queue_length, fixed-max -> autoscale.json, report.md, timeline.png
-#   bash benchmarks/h200/run.sh standby        issue 34 on the 8B shape, one GPU (AUTOSCALE_GPU_SHARE each): the scale-down
-#                                              episode (cache_aware vs ray, Zipf load), then the step load with
-#                                              VARIANTS (kv-standby,kv,queue_length); GPU memory and RSS per engine
-#                                              process every 2 s (standby-memory.txt)
+#   bash benchmarks/h200/run.sh standby        issue 34 on the 8B shape, one GPU (AUTOSCALE_GPU_SHARE each): the step
+#                                              load with VARIANTS (kv-standby,kv,queue_length), then the scale-down
+#                                              episode (cache_aware vs ray, shifted Zipf load; SCALE_DOWN=0 skips it);
+#                                              GPU memory and RSS per engine process every 2 s (standby-memory.txt)
 #   bash benchmarks/h200/run.sh start STAGES   run the stages in order in the background (one session's
 #                                              device time is a few device calls: the driver outlives a call).
 #                                              On a fresh machine this call first installs the wheels: 1-5 min
@@ -226,23 +226,29 @@ standby)
       ps -eo pid,ppid,rss,args | grep -E "VLLM|EngineCore|ServeReplica" | grep -v grep | cut -c1-120 | sed "s/^/$ts ps /"
       sleep 2; done ) > "$RES/standby-memory.txt" 2>&1 &
   mem=$!
-  if [ "${SCALE_DOWN:-1}" = 1 ]; then  # SCALE_DOWN=0: the step load only
-  python3 -m kvtide.benchmarks.scale_down --config "$REPO/config/presets/gpu-demo.yaml" "${fleet[@]}" \
-      --set engine.kv_cache_memory_bytes="${SCALE_DOWN_KV_BYTES:-6442450944}" --rate "${SCALE_DOWN_RATE:-8}" \
-      --set autoscaling.downscale_delay_s="${SCALE_DOWN_DELAY_S:-45}" --window-s 60 \
-      --hardware "$hw, 6 GiB of KV each" --out-dir "$RES/autoscale" > "$RES/scale_down.log" 2>&1
-  echo "scale_down: exit $?" >> "$RES/driver-notes.txt"
-  fi
-  leftovers standby-step
+  # The step load first (its variants are the issue's headline numbers), then the scale-down episode.
+  # The hot prefix: 2,500 words is ~6.5k tokens of the demo tokenizer (~2.6 per word), inside max_model_len 8192.
   # shellcheck disable=SC2086  # TRACE_ARGS is split into words on purpose
   python3 -m kvtide.benchmarks.autoscale --config "$REPO/config/presets/gpu-demo.yaml" "${fleet[@]}" \
       --set replicas.num_replicas=null --set replicas.min_replicas=1 --set replicas.max_replicas="${AUTOSCALE_MAX:-4}" \
       --set engine.kv_cache_memory_bytes="$kv" --set autoscaling.max_step=3 \
       --variants "${VARIANTS:-kv-standby,kv,queue_length}" --high-rate "${HIGH_RATE:-6}" \
-      --queue-target-ongoing "${QUEUE_TARGET:-2}" ${TRACE_ARGS:---low-s 20 --high-s 120 --tail-s 10 --hot-prefix-words 4000} \
+      --queue-target-ongoing "${QUEUE_TARGET:-2}" ${TRACE_ARGS:---low-s 20 --high-s 120 --tail-s 40 --hot-prefix-words 2500} \
       --hardware "$hw, 1 to ${AUTOSCALE_MAX:-4} replicas, $((kv / 1048576)) MiB of KV each" \
       --out-dir "$RES/autoscale" > "$RES/autoscale.log" 2>&1
   echo "autoscale: exit $?" >> "$RES/driver-notes.txt"
+  if [ "${SCALE_DOWN:-1}" = 1 ]; then  # SCALE_DOWN=0: the step load only
+  leftovers standby-scale-down
+  # The shifted load (scale_down.py --shift-at-s): 24 prompts of ~1.5k tokens, each cached once, then at 30 s
+  # only those last served by the replica Ray would stop, at 1 req/s; one-token requests, so
+  # enforce_eager (no CUDA graphs, which only decode uses) shortens each cluster's start.
+  python3 -m kvtide.benchmarks.scale_down --config "$REPO/config/presets/gpu-demo.yaml" "${fleet[@]}" \
+      --set engine.kv_cache_memory_bytes="${SCALE_DOWN_KV_BYTES:-6442450944}" --set engine.enforce_eager=true \
+      --set autoscaling.downscale_delay_s="${SCALE_DOWN_DELAY_S:-60}" --rate "${SCALE_DOWN_RATE:-1}" \
+      --groups 24 --prefix-words 600 --shift-at-s "${SHIFT_AT_S:-30}" --window-s 60 \
+      --hardware "$hw, 6 GiB of KV each" --out-dir "$RES/autoscale" > "$RES/scale_down.log" 2>&1
+  echo "scale_down: exit $?" >> "$RES/driver-notes.txt"
+  fi
   kill $mem
   grep -h "start-up:\|role:" /tmp/ray/session_*/logs/serve/replica_*.log > "$RES/start-phases.txt" 2>/dev/null
   ;;

@@ -270,3 +270,25 @@ def test_markdown_has_one_row_per_variant():
                     plot="timeline.png")
     assert "| kv | 52 | 2 | 4 | 2 | 4.0 | 8 | 35 (2) | 5 / 10 |" in text
     assert "![timeline](timeline.png)" in text
+
+
+@pytest.mark.parametrize("status, rejected", [(200, False), (503, False), (400, True)])
+def test_the_preflight_probe_fails_the_variant_only_when_the_server_rejects_the_probe(status, rejected):
+    """A 4xx for the hot-prefix probe (e.g. longer than max_model_len) stops the variant, naming the server's reason."""
+    import asyncio
+
+    import httpx
+
+    from kvtide.benchmarks.autoscale import preflight
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(status, text="maximum context length is 8192"))
+
+    async def go() -> None:
+        async with httpx.AsyncClient(base_url="http://engine", transport=transport) as client:
+            await preflight(client, "m", "hot prefix")
+
+    if rejected:
+        with pytest.raises(ValueError, match="HTTP 400.*maximum context length"):
+            asyncio.run(go())
+    else:
+        asyncio.run(go())

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
-from kvtide.benchmarks.scale_down import (Request, Episode, decision_time, merge_into, removed_replica, summarize,
-                                          window_stats, zipf_weights)
+from kvtide.benchmarks.scale_down import (Request, Episode, decision_time, groups_last_served_by, markdown, merge_into,
+                                          next_group, removed_replica, summarize, window_stats, zipf_weights)
 
 
 def test_zipf_weights_sum_to_one_and_fall_with_rank():
@@ -52,3 +53,30 @@ def test_summary_names_the_removed_replicas_share_of_hits_before(tmp_path):
     (tmp_path / "autoscale.json").write_text(json.dumps({"hardware": "H200", "variants": [{"variant": "kv"}]}))
     data = json.loads(merge_into(tmp_path, "H200", {"ray": row}, {}).read_text())
     assert data["variants"] == [{"variant": "kv"}] and data["scale_down"]["ray"]["removed_replica"] == "a"
+
+
+def test_groups_last_served_by_a_replica_follow_each_groups_latest_request():
+    """A group belongs to the replica that served its latest successful request; failures don't move it."""
+    requests = [Request(1.0, True, 0.1, "a", group=0), Request(2.0, True, 0.1, "b", group=1),
+                Request(3.0, True, 0.1, "b", group=0), Request(4.0, False, None, group=1),
+                Request(5.0, True, 0.1, "a", group=2)]
+    assert groups_last_served_by(requests, "b") == [0, 1]
+    assert groups_last_served_by(requests, "a") == [2] and groups_last_served_by(requests, "c") == []
+
+
+def test_the_load_takes_every_group_once_then_zipf_then_only_the_kept_groups():
+    """The first pass caches every prompt; after a shift only kept groups are drawn."""
+    rng = random.Random(0)
+    weights = zipf_weights(4, 1.1)
+    assert [next_group(i, rng, weights, None) for i in range(4)] == [0, 1, 2, 3]
+    assert {next_group(i, rng, weights, [1, 3]) for i in range(200)} == {1, 3}
+    assert {next_group(i, rng, weights, None) for i in range(4, 400)} == {0, 1, 2, 3}
+
+
+def test_the_report_names_the_shift_and_who_was_removed():
+    """With a shift the markdown says when, which groups stayed, Ray's would-be victim and the removed replica."""
+    row = {"decision_s": 60.0, "hit_rate": 0.99, "ttft_p90_ms": 30.0, "hit_rate_before": 0.9, "ttft_p90_before_ms": 30.0,
+           "removed_share_of_hits_before": 0.1, "requests": 60, "errors": 0, "removed_replica": "a",
+           "shift": {"at_s": 30.0, "ray_victim": "c", "kept_groups": [2, 5]}}
+    text = markdown({"cache_aware": row}, "cmd", 60.0)
+    assert "groups [2, 5]" in text and "`c`" in text and "removed: `a`" in text
