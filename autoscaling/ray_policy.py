@@ -38,8 +38,8 @@ from kvtide.autoscaling import roles_channel
 from kvtide.autoscaling.control_law import Decision, LawContext, LawState, ReplicaStats, decide
 from kvtide.autoscaling.metrics import autoscaler_metrics
 from kvtide.autoscaling.replica_stats import (KV_USAGE_KEY, NUM_PREEMPTIONS_TOTAL_KEY, NUM_RUNNING_KEY,
-                                              NUM_WAITING_KEY, RECENT_HIT_TOKENS_KEY)
-from kvtide.autoscaling.standby import RolePlan, Roles, assign, reconcile
+                                              NUM_WAITING_KEY, RECENT_EXCLUSIVE_HIT_TOKENS_KEY, RECENT_HIT_TOKENS_KEY)
+from kvtide.autoscaling.standby import RolePlan, Roles, assign, cache_worth as standby_cache_worth, reconcile
 from kvtide.config import AutoscalingSettings
 
 # A child of Ray Serve's logger, so the lines land in the controller's log file.
@@ -126,12 +126,18 @@ def law_context(ctx: Any, look_back_s: float, recent_s: float | None = None,
 
 
 def cache_worth(ctx: Any) -> dict[str, float]:
-    """Each replica's newest report of the prefix-cache hit tokens it served within cache_value_window_s."""
+    """Each replica's cache worth (standby.cache_worth) from its newest reports of the prefix-cache
+    hit tokens it served within cache_value_window_s, all and exclusive."""
+    raw = ctx.raw_metrics or {}
+    exclusive = {replica_id.unique_id: float(newest.value)
+                 for replica_id, series in raw.get(RECENT_EXCLUSIVE_HIT_TOKENS_KEY, {}).items()
+                 if (newest := _newest(series)) is not None}
     worth = {}
-    for replica_id, series in ((ctx.raw_metrics or {}).get(RECENT_HIT_TOKENS_KEY, {})).items():
+    for replica_id, series in raw.get(RECENT_HIT_TOKENS_KEY, {}).items():
         newest = _newest(series)
         if newest is not None:
-            worth[replica_id.unique_id] = float(newest.value)
+            worth[replica_id.unique_id] = standby_cache_worth(float(newest.value),
+                                                              exclusive.get(replica_id.unique_id, 0.0))
     return worth
 
 

@@ -14,6 +14,8 @@ pulling in the adapter.
                                    cache_value_window_s: the cache's worth for a cache-aware
                                    scale-down (`RecentTokens`; a window of the replica's own, as
                                    Ray keeps raw samples for look_back_s only)
+    kvtide_recent_exclusive_hit_tokens  of those, the ones served from blocks no other replica
+                                   held when the request was routed (routing.trust's prediction)
 
 The `kvtide_` prefix keeps them apart from Ray's own key in the same report
 (`running_requests`).
@@ -26,12 +28,14 @@ NUM_WAITING_KEY = "kvtide_num_waiting"
 NUM_RUNNING_KEY = "kvtide_num_running"
 NUM_PREEMPTIONS_TOTAL_KEY = "kvtide_num_preemptions_total"
 RECENT_HIT_TOKENS_KEY = "kvtide_recent_hit_tokens"
-METRIC_KEYS = (KV_USAGE_KEY, NUM_WAITING_KEY, NUM_RUNNING_KEY, NUM_PREEMPTIONS_TOTAL_KEY, RECENT_HIT_TOKENS_KEY)
+RECENT_EXCLUSIVE_HIT_TOKENS_KEY = "kvtide_recent_exclusive_hit_tokens"
+METRIC_KEYS = (KV_USAGE_KEY, NUM_WAITING_KEY, NUM_RUNNING_KEY, NUM_PREEMPTIONS_TOTAL_KEY, RECENT_HIT_TOKENS_KEY,
+               RECENT_EXCLUSIVE_HIT_TOKENS_KEY)
 
 
 def replica_autoscaling_stats(
     kv_usage_perc: float, num_waiting: int, num_running: int, num_preemptions_total: int,
-    recent_hit_tokens: float = 0.0,
+    recent_hit_tokens: float = 0.0, recent_exclusive_hit_tokens: float = 0.0,
 ) -> dict[str, float]:
     """What an engine replica's `record_autoscaling_stats()` returns (keys in the module docstring)."""
     return {
@@ -40,6 +44,7 @@ def replica_autoscaling_stats(
         NUM_RUNNING_KEY: float(max(num_running, 0)),
         NUM_PREEMPTIONS_TOTAL_KEY: float(max(num_preemptions_total, 0)),
         RECENT_HIT_TOKENS_KEY: float(max(recent_hit_tokens, 0.0)),
+        RECENT_EXCLUSIVE_HIT_TOKENS_KEY: float(max(recent_exclusive_hit_tokens, 0.0)),
     }
 
 

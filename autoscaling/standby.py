@@ -13,6 +13,11 @@ internal KV (`autoscaling.roles_channel`), and each replica acts on its own role
                            (kvtide chooses, not Ray; `scale_down_chooser: ray` leaves roles out)
                  then retire one standby beyond `standby_replicas` that has waited past
                  `standby_timeout_s`, and size Serve for active + standby (+ the pool's refill)
+    worth        of one replica's cache over cache_value_window_s (`cache_worth`):
+                   exclusive hit tokens + SHARED_HIT_WEIGHT × the other hit tokens it served
+                 exclusive: served from blocks no other replica held when the request was
+                 routed (the routing peers' view: engine digests ∪ their own routing); a hit
+                 another holder could have served survives this replica leaving
 
 Invariants:
 - A replica is in at most one of active, standby, retiring; every id is a running replica
@@ -99,6 +104,19 @@ def reconcile(roles: Roles, running: Iterable[str], now_s: float, standby_replic
     return Roles(tuple(active), standby, retiring, roles.desired_active)
 
 
+# What a hit on a prefix other replicas also hold is worth against one only this replica holds.
+# Not 0: the other holders take over its traffic on that prefix, and their caches may not keep
+# it. Small: losing an exclusive prefix costs every later request of it a prefill until one
+# re-caches it, while a shared one costs none as long as another holder keeps it.
+SHARED_HIT_WEIGHT = 0.1
+
+
+def cache_worth(hit_tokens: float, exclusive_hit_tokens: float) -> float:
+    """A replica's cache worth from the hit tokens it served recently and those only it held."""
+    exclusive = min(max(exclusive_hit_tokens, 0.0), max(hit_tokens, 0.0))
+    return exclusive + SHARED_HIT_WEIGHT * (max(hit_tokens, 0.0) - exclusive)
+
+
 def cache_worth_order(active: Iterable[str], worth: Mapping[str, float]) -> list[str]:
     """Active replicas from the least valuable cache to the most; ties (and no report) by replica id."""
     return sorted(active, key=lambda r: (worth.get(r, 0.0), r))
@@ -108,7 +126,7 @@ def assign(roles: Roles, desired_active: int, *, worth: Mapping[str, float], now
            standby_replicas: int, standby_timeout_s: float, max_replicas: int) -> RolePlan:
     """Move replicas between active and standby toward `desired_active`; size Serve's target.
 
-    `worth`: each active replica's cache value (prefix-cache hit tokens it served recently).
+    `worth`: each active replica's cache value (`cache_worth` of the hits it served recently).
     """
     active = list(roles.active)
     standby = dict(roles.standby)

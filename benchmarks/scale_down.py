@@ -9,8 +9,8 @@ requests over `--groups` system prompts (the first `--groups` requests take each
 is cached somewhere; then Zipf(`--zipf-s`)), each with a question of its own and one output token (the
 latency of a non-streamed one-token request is its TTFT). The load keeps the KV cache cool, so the KV
 law scales down after `autoscaling.downscale_delay_s`:
-- cache_aware: the replica whose cache served fewest prefix-cache hit tokens recently goes to
-  standby (kvtide's choice, autoscaling/standby.py);
+- cache_aware: the replica whose cache is worth least (recent hit tokens only it held, the rest at a
+  tenth) goes to standby (kvtide's choice, autoscaling/standby.py);
 - ray: Serve's count drops and Ray stops a replica of its choosing (Ray 2.60: the newest on the
   node with fewest replicas).
 

@@ -125,13 +125,15 @@ class AutoscalingSettings(Strict):
     scale_down_chooser: Literal["cache_aware", "ray"] = Field(
         "cache_aware",
         description="Which replica a scale-down takes. cache_aware: the active replica whose cache is worth least "
-        "(prefix-cache hit tokens it served within cache_value_window_s) goes to standby (asleep when "
+        "(prefix-cache hit tokens it served within cache_value_window_s from blocks no other replica held, plus a "
+        "tenth of its other hits) goes to standby (asleep when "
         "standby_replicas > 0 on GPU, else awake and unrouted) and is stopped after standby_timeout_s; ray: Ray "
         "Serve chooses which replica to stop. kv policy only.",
     )
     cache_value_window_s: float = Field(
         60.0, gt=0.0, le=3600.0,
-        description="Window over which a replica's served prefix-cache hits make its cache's worth for cache_aware.",
+        description="Window over which a replica's served prefix-cache hits (those only it held, and the rest) make "
+        "its cache's worth for cache_aware.",
     )
     sleep_level: Literal[1, 2] = Field(
         1,

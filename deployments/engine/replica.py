@@ -35,6 +35,7 @@ from kvtide.deployments.engine.kv_cache_tracker import KvCacheTracker
 from kvtide.deployments.engine.kv_events import KvEventListener, new_ipc_endpoint
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest, VllmLayerCall
 from kvtide.deployments.names import INGRESS_DEPLOYMENT
+from kvtide.deployments.routing.trust import exclusive_hit_tokens, read_prediction
 from kvtide.deployments.engine.pending_prefill import PendingPrefill
 from kvtide.deployments.engine.standby import ROLE_POLL_S, EngineRole
 from kvtide.deployments.engine.start_phases import WAKE_PHASE, describe, start_phases
@@ -147,6 +148,10 @@ class EngineReplica:
         self._in_flight = 0  # generate and vLLM-layer calls running here (a move to standby drains them)
         autoscaling = self.config.autoscaling
         self._recent_hits = RecentTokens(autoscaling.cache_value_window_s)
+        # Prompt tokens served from blocks no other replica held when routed (routing.trust):
+        # with _recent_hits, this cache's worth to a cache-aware scale-down.
+        self.exclusive_hit_tokens_total = 0
+        self._recent_exclusive_hits = RecentTokens(autoscaling.cache_value_window_s)
         # Standby engines and cache-aware scale-down: the autoscaler assigns this replica a role.
         self.role = EngineRole(self.engine, can_sleep=bool(kwargs.get("enable_sleep_mode")),
                                sleep_level=autoscaling.sleep_level,
@@ -274,6 +279,9 @@ class EngineReplica:
                 if first:
                     self.pending_prefill.done(request.request_id, prefilled=True, now_s=time.monotonic())
                 num_output_tokens += len(completion.token_ids)
+                if out.finished:
+                    self.exclusive_hit_tokens_total += exclusive_hit_tokens(
+                        read_prediction(request.decision), self.replica_id, out.num_cached_tokens or 0)
                 yield GenerateDelta(
                     text=completion.text,
                     num_output_tokens=num_output_tokens,
@@ -369,8 +377,10 @@ class EngineReplica:
         load = self.load
         now_s = time.monotonic()
         self._recent_hits.observe(now_s, load.prefix_hit_tokens_total)
+        self._recent_exclusive_hits.observe(now_s, self.exclusive_hit_tokens_total)
         return replica_autoscaling_stats(load.kv_usage_perc, load.num_waiting, load.num_running,
-                                         load.num_preemptions_total, self._recent_hits.within(now_s))
+                                         load.num_preemptions_total, self._recent_hits.within(now_s),
+                                         self._recent_exclusive_hits.within(now_s))
 
     async def check_health(self) -> None:
         # Raises EngineDeadError once the engine core died: Serve then restarts the replica.

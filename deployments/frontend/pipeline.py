@@ -62,6 +62,7 @@ from kvtide.deployments.routing.trust import (
     compare,
     decode_prediction_header,
     read_prediction,
+    write_prediction,
 )
 from kvtide.deployments.frontend.sse import DONE, ChunkRenderer, error_event
 from kvtide.deployments.frontend.vllm_layer import VllmLayerResponse, vllm_layer_field
@@ -304,6 +305,9 @@ class OpenAIFrontend:
         tags = {"model": self.model_name, "endpoint": endpoint}
         self.metrics.prompt_tokens.inc(len(prompt.token_ids), tags)
         timing.engine_called_s = time.perf_counter()
+        if prediction is not None:  # direct mode: the engine here weighs its cache's worth by it
+            write_prediction(gen_req.decision, prediction.replica_id, prediction.cached_tokens,
+                             prediction.exclusive_tokens)
         stream = await self.engine.open(gen_req, deadline, self._on_rejected)
         # Routing is over once the stream has opened: an ingress-mode router (this process) has
         # written its prediction, a retry's included. In direct mode the slot stays empty.

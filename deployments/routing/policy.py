@@ -198,6 +198,9 @@ class RoutingDecision:
     matched_tokens: int  # cached prefix tokens on ranked[0] (0 if it holds none)
     prefix_replicas: int = 1  # k: replicas the request's prefix group is spread over (1: not hot)
     sticky: bool = False  # ranked[0] is the replica of the session's last turn
+    # Of matched_tokens, those no other candidate holds (engine truth ∪ routing history): what
+    # only ranked[0] can serve from cache, the worth a cache-aware scale-down weighs.
+    exclusive_tokens: int = 0
 
 
 def route_of(decision: RoutingDecision) -> str:
@@ -295,7 +298,10 @@ def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshot
         outcome = "cache_hit"
     else:
         outcome = "load_fallback"
-    return RoutingDecision([ids[i] for i in order], outcome, picked_blocks * block_size, k, first_sticky)
+    first = order[0]
+    others_best = max((blocks for i, blocks in enumerate(blocks_of) if i != first), default=0)
+    return RoutingDecision([ids[i] for i in order], outcome, picked_blocks * block_size, k, first_sticky,
+                           max(picked_blocks - others_best, 0) * block_size)
 
 
 _ID_ORDERS: dict[tuple[str, ...], list[int]] = {}

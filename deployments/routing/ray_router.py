@@ -219,7 +219,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         slot = _decision_slot(pending_request)
         if slot is not None and decision.ranked:
             # The prediction for the replica Ray tries first; the frontend drops it if another served.
-            write_prediction(slot, decision.ranked[0], decision.matched_tokens)
+            write_prediction(slot, decision.ranked[0], decision.matched_tokens, decision.exclusive_tokens)
         self._record_digest_ages(now_s)
         if decision.ranked and is_pick_only(pending_request):
             # Ray takes the first replica of a pick-only ranking and tells the router nothing more.

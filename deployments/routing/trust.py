@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping, MutableMapping
 
 # Router-owned namespace (x-serve-router-): HAProxy strips it from client requests, so only
-# the routing peer can set it. Value: "<predicted cached tokens>;<replica unique id>".
+# the routing peer can set it. Value: "<predicted cached tokens>;<replica unique id>;<exclusive tokens>"
+# (the last field may be absent: 0).
 PREDICTED_CACHED_TOKENS_HEADER = "x-serve-router-kvtide-predicted-cached-tokens"
 
 Outcome = Literal["true_hit", "false_hit", "missed_hit", "true_miss"]
@@ -43,15 +44,18 @@ DIRECTIONS: tuple[Direction, ...] = ("exact", "over", "under")
 # Keys of the slot dict; plain values only, so the slot pickles with a GenerateRequest.
 _REPLICA = "replica_id"
 _TOKENS = "predicted_cached_tokens"
+_EXCLUSIVE = "exclusive_tokens"
 _MAX_TOKEN_DIGITS = 9  # a header is parsed, not trusted blindly: no 10^9-token prompts exist
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """The router's claim: `replica_id` holds the request's first `cached_tokens` prompt tokens."""
+    """The router's claim: `replica_id` holds the request's first `cached_tokens` prompt tokens,
+    `exclusive_tokens` of them held by no other replica it knew of."""
 
     replica_id: str
     cached_tokens: int
+    exclusive_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,20 +75,24 @@ class Comparison:
 # ---- the slot ------------------------------------------------------------------------------
 
 
-def write_prediction(slot: MutableMapping[str, Any], replica_id: str, cached_tokens: int) -> None:
-    """The router's write: the replica it ranked first and the cached tokens it counted there."""
+def write_prediction(slot: MutableMapping[str, Any], replica_id: str, cached_tokens: int,
+                     exclusive_tokens: int = 0) -> None:
+    """The router's write: the replica it ranked first, the cached tokens it counted there and how
+    many of them no other replica held."""
     slot[_REPLICA] = replica_id
     slot[_TOKENS] = int(cached_tokens)
+    slot[_EXCLUSIVE] = int(exclusive_tokens)
 
 
 def read_prediction(slot: Mapping[str, Any] | None) -> Prediction | None:
     """The prediction a router wrote into `slot`; None when none did (another policy, no candidates)."""
     if not slot:
         return None
-    replica_id, tokens = slot.get(_REPLICA), slot.get(_TOKENS)
+    replica_id, tokens, exclusive = slot.get(_REPLICA), slot.get(_TOKENS), slot.get(_EXCLUSIVE, 0)
     if not isinstance(replica_id, str) or not replica_id or not isinstance(tokens, int) or tokens < 0:
         return None
-    return Prediction(replica_id, tokens)
+    exclusive = exclusive if isinstance(exclusive, int) and 0 <= exclusive <= tokens else 0
+    return Prediction(replica_id, tokens, exclusive)
 
 
 # ---- the header (direct mode) ----------------------------------------------------------------
@@ -95,22 +103,36 @@ def prediction_header(slot: Mapping[str, Any] | None) -> dict[str, str]:
     prediction = read_prediction(slot)
     if prediction is None:
         return {}
-    return {PREDICTED_CACHED_TOKENS_HEADER: f"{prediction.cached_tokens};{prediction.replica_id}"}
+    return {PREDICTED_CACHED_TOKENS_HEADER:
+            f"{prediction.cached_tokens};{prediction.replica_id};{prediction.exclusive_tokens}"}
 
 
 def decode_prediction_header(value: str | None) -> Prediction | None:
     """The prediction of a `prediction_header` value; None when absent or malformed (then nothing is recorded)."""
     if not value:
         return None
-    tokens, sep, replica_id = value.partition(";")
-    tokens, replica_id = tokens.strip(), replica_id.strip()
-    if (not sep or not replica_id or not tokens.isascii() or not tokens.isdigit()
-            or len(tokens) > _MAX_TOKEN_DIGITS):
+    tokens, sep, rest = value.partition(";")
+    replica_id, _, exclusive = rest.partition(";")  # replica ids hold no ";"
+    tokens, replica_id, exclusive = tokens.strip(), replica_id.strip(), exclusive.strip() or "0"
+    if (not sep or not replica_id or not _is_token_count(tokens) or not _is_token_count(exclusive)
+            or int(exclusive) > int(tokens)):
         return None
-    return Prediction(replica_id, int(tokens))
+    return Prediction(replica_id, int(tokens), int(exclusive))
+
+
+def _is_token_count(text: str) -> bool:
+    return text.isascii() and text.isdigit() and len(text) <= _MAX_TOKEN_DIGITS
 
 
 # ---- the comparison ----------------------------------------------------------------------------
+
+
+def exclusive_hit_tokens(prediction: Prediction | None, served_replica_id: str, engine_cached_tokens: int) -> int:
+    """Prompt tokens the serving replica answered from a cache no other replica held: its cache's
+    worth to a cache-aware scale-down (autoscaling.standby). 0 without a prediction for this replica."""
+    if prediction is None or prediction.replica_id != served_replica_id:
+        return 0
+    return max(min(engine_cached_tokens, prediction.exclusive_tokens), 0)
 
 
 def engine_cacheable_tokens(prompt_tokens: int, block_size: int) -> int:

@@ -20,6 +20,7 @@ from kvtide.autoscaling.ray_policy import (
     NUM_RUNNING_KEY,
     NUM_WAITING_KEY,
     POLICY_STATE_KEY,
+    RECENT_EXCLUSIVE_HIT_TOKENS_KEY,
     RECENT_HIT_TOKENS_KEY,
     ROLES_STATE_KEY,
     KvPolicy,
@@ -210,7 +211,7 @@ def test_policy_with_a_standby_wakes_it_for_a_scale_up_and_keeps_the_pool():
 
 
 def test_policy_scale_down_sets_the_least_worth_replica_aside():
-    """Slack on three active replicas: the one whose cache served fewest recent hits goes to standby, not Ray's pick."""
+    """Slack on three active replicas: the one whose cache served fewest recent hits (none exclusive) goes to standby, not Ray's pick."""
     policy = KvPolicy(standby_timeout_s=60.0)
     roles = Roles(("r0", "r1", "r2"), {}, (), 3)
     state = {POLICY_STATE_KEY: LawState(slack_since_s=NOW_S - 400).to_dict(), ROLES_STATE_KEY: roles.to_dict()}
@@ -220,6 +221,20 @@ def test_policy_scale_down_sets_the_least_worth_replica_aside():
     after = Roles.from_dict(new_state[ROLES_STATE_KEY])
     assert set(after.active) == {"r0", "r2"} and set(after.standby) == {"r1"}
     assert desired == 3  # r1 stays (asleep) until standby_timeout_s, then retires
+
+
+def test_policy_scale_down_weighs_the_hits_only_a_replica_held():
+    """r0 served the most hits, all on prefixes others held too; r1 fewer, only it held them: r0 goes to standby."""
+    policy = KvPolicy(standby_timeout_s=60.0)
+    roles = Roles(("r0", "r1", "r2"), {}, (), 3)
+    state = {POLICY_STATE_KEY: LawState(slack_since_s=NOW_S - 400).to_dict(), ROLES_STATE_KEY: roles.to_dict()}
+    ctx = context([0.35, 0.35, 0.35], policy_state=state)
+    ctx.raw_metrics[RECENT_HIT_TOKENS_KEY] = {replica(i): _series([(1.0, v)], NOW_S)
+                                             for i, v in enumerate([5000, 1000, 3000])}
+    ctx.raw_metrics[RECENT_EXCLUSIVE_HIT_TOKENS_KEY] = {replica(i): _series([(1.0, v)], NOW_S)
+                                                       for i, v in enumerate([0, 1000, 3000])}
+    _, new_state = policy(ctx)
+    assert set(Roles.from_dict(new_state[ROLES_STATE_KEY]).standby) == {"r0"}
 
 
 def test_context_translation_reads_the_newest_raw_samples():

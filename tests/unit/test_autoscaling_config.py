@@ -139,10 +139,10 @@ def test_autoscaling_config_rejects_inverted_bounds():
 def test_replica_stats_are_flat_floats_with_documented_keys():
     """record_autoscaling_stats returns the documented keys as floats, KV clamped to 0..1."""
     stats = replica_autoscaling_stats(kv_usage_perc=1.2, num_waiting=3, num_running=7, num_preemptions_total=11,
-                                      recent_hit_tokens=640)
+                                      recent_hit_tokens=640, recent_exclusive_hit_tokens=320)
     assert tuple(stats) == METRIC_KEYS
     assert all(type(v) is float for v in stats.values())
-    assert list(stats.values()) == [1.0, 3.0, 7.0, 11.0, 640.0]
+    assert list(stats.values()) == [1.0, 3.0, 7.0, 11.0, 640.0, 320.0]
 
 
 @pytest.mark.parametrize("samples, now_s, expected", [

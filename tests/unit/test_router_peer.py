@@ -91,7 +91,8 @@ def test_the_peer_answers_with_the_routers_prediction_for_its_pick(threads):
     headers = answer["request_headers"]
     assert set(headers) == {ROUTED_TOKENS_HEADER, ROUTED_HASHES_HEADER, PREDICTED_CACHED_TOKENS_HEADER}
     assert decode_block_hashes(headers[ROUTED_HASHES_HEADER], len(token_ids), BS) == tuple(hashes)
-    assert decode_prediction_header(headers[PREDICTED_CACHED_TOKENS_HEADER]) == Prediction("b", 2 * BS)
+    # "a" holds none of the prompt: all of b's cached tokens are b's alone.
+    assert decode_prediction_header(headers[PREDICTED_CACHED_TOKENS_HEADER]) == Prediction("b", 2 * BS, 2 * BS)
 
 
 def test_route_headers_add_the_prediction_only_when_the_router_wrote_one():

@@ -125,7 +125,8 @@ def test_requests_without_a_session_key_attribute_still_route():
 
 
 def test_each_decision_writes_its_prediction_into_the_requests_slot():
-    """The replica ranked first and its cached tokens land in the very RoutingKey / GenerateRequest Ray passed."""
+    """The replica ranked first, its cached tokens and those no other replica holds land in the very RoutingKey /
+    GenerateRequest Ray passed."""
     async def scenario():
         router = new_router()
         a, b = FakeReplica("a"), FakeReplica("b", digest_stats("engine-b", 1))
@@ -142,8 +143,8 @@ def test_each_decision_writes_its_prediction_into_the_requests_slot():
         return key, request, cold, untouched
 
     key, request, cold, untouched = asyncio.run(scenario())
-    assert read_prediction(key.decision) == Prediction("b", 8 * BS)
-    assert read_prediction(request.decision) == Prediction("b", 2 * BS)
+    assert read_prediction(key.decision) == Prediction("b", 8 * BS, 8 * BS)  # "a" holds none of it
+    assert read_prediction(request.decision) == Prediction("b", 2 * BS, 2 * BS)
     cold_prediction = read_prediction(cold.decision)
     assert cold_prediction is not None and cold_prediction.cached_tokens == 0
     assert read_prediction(untouched.decision) is None

@@ -314,3 +314,15 @@ def test_a_band_of_zero_restores_exact_ties():
     for loads in ({"a": 0, "b": 1}, {"a": 1, "b": 0}):
         assert decide(snaps(**loads, c=0), index_with(a=64, b=64), tunables=exact).ranked[0] == min(
             loads, key=loads.get)
+
+
+@pytest.mark.parametrize("held, best, exclusive_blocks", [
+    ({"b": 64}, "b", 64),                # only b holds the prompt: all of it is b's alone
+    ({"a": 10, "b": 40}, "b", 30),       # a holds the first 10 blocks too: b alone holds 30
+    ({"a": 64, "b": 64}, None, 0),       # both hold all of it (either may win the tie): none exclusive
+    ({}, None, 0),                       # nothing cached anywhere
+])
+def test_the_decision_says_how_much_of_its_match_no_other_replica_holds(held, best, exclusive_blocks):
+    """exclusive_tokens: the first choice's matched blocks beyond the best other candidate's, in tokens."""
+    d = decide(snaps(a=0, b=0), index_with(**held))
+    assert best in (None, d.ranked[0]) and d.exclusive_tokens == exclusive_blocks * BS

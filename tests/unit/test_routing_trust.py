@@ -18,6 +18,7 @@ from kvtide.deployments.routing.trust import (
     compare,
     decode_prediction_header,
     engine_cacheable_tokens,
+    exclusive_hit_tokens,
     prediction_header,
     read_prediction,
     write_prediction,
@@ -88,17 +89,19 @@ def test_header_round_trip_in_the_namespace_haproxy_strips():
     """The peer's header decodes to the slot's prediction; its name is router-owned (clients cannot send it)."""
     slot: dict = {}
     assert prediction_header(slot) == {}
-    write_prediction(slot, "abc123", 2048)
+    write_prediction(slot, "abc123", 2048, 512)
     (name, value), = prediction_header(slot).items()
     assert name == PREDICTED_CACHED_TOKENS_HEADER and name.startswith(SERVE_INGRESS_ROUTER_HEADER_PREFIX)
-    assert decode_prediction_header(value) == Prediction("abc123", 2048)
+    assert decode_prediction_header(value) == Prediction("abc123", 2048, 512)
+    assert decode_prediction_header("2048;abc123") == Prediction("abc123", 2048, 0)  # no exclusive field: 0
     # HAProxy's Lua reads the peer's JSON with a pattern: no quotes, braces or escapes in the value.
     assert not set(value) & set('"{}\\')
 
 
-@pytest.mark.parametrize("value", [None, "", "32", "32;", ";r1", "x;r1", "-1;r1", "3.5;r1", "²;r1", "9" * 10 + ";r1"])
+@pytest.mark.parametrize("value", [None, "", "32", "32;", ";r1", "x;r1", "-1;r1", "3.5;r1", "²;r1", "9" * 10 + ";r1",
+                                   "32;r1;x", "32;r1;-1", "32;r1;64"])
 def test_a_missing_or_malformed_header_is_no_prediction(value):
-    """Absent, no replica, not a small non-negative integer: nothing is recorded for the request."""
+    """Absent, no replica, not a small non-negative integer, more exclusive than cached tokens: nothing is recorded."""
     assert decode_prediction_header(value) is None
 
 
@@ -112,3 +115,15 @@ def test_the_slot_rides_along_without_changing_equality_or_pickling():
     write_prediction(retry.decision, "r2", 16)
     assert read_prediction(request.decision) == Prediction("r2", 16)
     assert pickle.loads(pickle.dumps(retry)).decision == retry.decision
+
+
+@pytest.mark.parametrize("prediction, served, engine_cached, expected", [
+    (Prediction("r1", 2048, 512), "r1", 2048, 512),   # the engine hit all it was routed for: the exclusive part
+    (Prediction("r1", 2048, 512), "r1", 300, 300),    # it held less than predicted: at most what it served
+    (Prediction("r1", 2048, 512), "r2", 2048, 0),     # another replica served it: the prediction says nothing
+    (Prediction("r1", 2048, 0), "r1", 2048, 0),       # others held the same prefix: nothing exclusive
+    (None, "r1", 2048, 0),                            # no prediction (another policy): nothing exclusive
+])
+def test_exclusive_hit_tokens_are_the_served_hits_only_this_replica_held(prediction, served, engine_cached, expected):
+    """A finished request adds min(engine cached, exclusive) to its replica's cache worth, if it served the pick."""
+    assert exclusive_hit_tokens(prediction, served, engine_cached) == expected

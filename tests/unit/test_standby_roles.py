@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtide.autoscaling.standby import Roles, assign, cache_worth_order, reconcile
+from kvtide.autoscaling.standby import SHARED_HIT_WEIGHT, Roles, assign, cache_worth, cache_worth_order, reconcile
 
 POOL = {"standby_replicas": 1, "standby_timeout_s": 60.0, "max_replicas": 8}
 
@@ -62,6 +62,26 @@ def test_a_first_deploy_keeps_its_initial_replicas_while_they_start():
     # The law then sees 3 starting, holds; the target stays 3 active + the pool.
     assert assign(roles, 3, worth={}, now_s=0.0, **POOL).serve_target == 4
     assert reconcile(roles, ["a", "b", "c", "d"], now_s=1.0).active == ("a", "b", "c")
+
+
+@pytest.mark.parametrize("hits, exclusive, worth", [
+    (1000.0, 1000.0, 1000.0),                        # only it held what it served
+    (1000.0, 0.0, SHARED_HIT_WEIGHT * 1000.0),       # every hit another holder could have served
+    (1000.0, 400.0, 400.0 + SHARED_HIT_WEIGHT * 600.0),
+    (100.0, 400.0, 100.0),                           # exclusive capped at the hits (reports of two windows)
+    (0.0, 0.0, 0.0),
+])
+def test_cache_worth_weighs_hits_only_this_replica_held_above_shared_ones(hits, exclusive, worth):
+    """worth = exclusive hit tokens + SHARED_HIT_WEIGHT × the rest of the hits."""
+    assert cache_worth(hits, exclusive) == pytest.approx(worth)
+
+
+def test_a_replica_serving_many_shared_hits_goes_before_one_serving_fewer_it_alone_holds():
+    """Scale-down: 5,000 hit tokens on a prefix two replicas hold are worth less than 1,000 only one holds."""
+    worth = {"busy-shared": cache_worth(5000.0, 0.0), "alone": cache_worth(1000.0, 1000.0)}
+    plan = assign(Roles(("alone", "busy-shared"), {}, (), 2), 1, worth=worth, now_s=0.0, standby_replicas=0,
+                  standby_timeout_s=60.0, max_replicas=8)
+    assert plan.demoted == ("busy-shared",)
 
 
 def test_worth_order_is_least_first_then_by_id():
