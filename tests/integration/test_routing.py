@@ -35,8 +35,16 @@ def _ask(http, model: str, prefix: str, question: str, cache_salt: str | None = 
     return resp.headers["x-kvtide-replica"], resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def _idle(metrics_url: str, model: str) -> bool:
+    """The engines report nothing running or waiting (a test before may leave requests finishing)."""
+    return all(metric_sum(metrics_url, name, model_name=model) == 0
+               for name in ("ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting"))
+
+
 def test_salted_tenants_never_share_cached_blocks_and_each_keeps_its_affinity(http, cluster):
     """cache_salt end to end: the same prompt under another salt (or none) is a cold prefill; each tenant hits its own cache."""
+    # Affinity on an idle fleet: the load guard moves a request off a busy holder by design.
+    wait_for(lambda: _idle(cluster.metrics_url, cluster.model_name), timeout_s=120, what="the engines to be idle")
     prefix = _prefix(3)
     wait_for(lambda: _ask(http, cluster.model_name, prefix, "warm", cache_salt="tenant-a")[1] > 0,
              timeout_s=30, what="tenant A's prefix to be cached")
