@@ -239,13 +239,16 @@ standby)
   echo "autoscale: exit $?" >> "$RES/driver-notes.txt"
   if [ "${SCALE_DOWN:-1}" = 1 ]; then  # SCALE_DOWN=0: the step load only
   leftovers standby-scale-down
-  # The shifted load (scale_down.py --shift-at-s): 24 prompts of ~1.5k tokens, each cached once, then at 30 s
-  # only those last served by the replica Ray would stop, at 1 req/s; one-token requests, so
-  # enforce_eager (no CUDA graphs, which only decode uses) shortens each cluster's start.
+  # The shifted load (scale_down.py --shift-at-s): 24 prompts (SCALE_DOWN_WORDS words each; 1,200 is
+  # ~3.1k tokens, 75k in all, inside the fleet's 3 x 49k), each cached once, then only those last
+  # served by the replica Ray would stop. A scale-down comes at low load: at SCALE_DOWN_RATE 0.5 req/s
+  # the first pass takes ~48 s, hence the shift at 55 s and a 90 s downscale delay. One-token
+  # requests, so enforce_eager (no CUDA graphs, which only decode uses) shortens each cluster's start.
+  # (h200-standby-2026-12-04b ran 600 words at 1 req/s, shift 30 s, delay 60 s.)
   python3 -m kvtide.benchmarks.scale_down --config "$REPO/config/presets/gpu-demo.yaml" "${fleet[@]}" \
       --set engine.kv_cache_memory_bytes="${SCALE_DOWN_KV_BYTES:-6442450944}" --set engine.enforce_eager=true \
-      --set autoscaling.downscale_delay_s="${SCALE_DOWN_DELAY_S:-60}" --rate "${SCALE_DOWN_RATE:-1}" \
-      --groups 24 --prefix-words 600 --shift-at-s "${SHIFT_AT_S:-30}" --window-s 60 \
+      --set autoscaling.downscale_delay_s="${SCALE_DOWN_DELAY_S:-90}" --rate "${SCALE_DOWN_RATE:-0.5}" \
+      --groups 24 --prefix-words "${SCALE_DOWN_WORDS:-1200}" --shift-at-s "${SHIFT_AT_S:-55}" --window-s 60 \
       --hardware "$hw, 6 GiB of KV each" --out-dir "$RES/autoscale" > "$RES/scale_down.log" 2>&1
   echo "scale_down: exit $?" >> "$RES/driver-notes.txt"
   fi
