@@ -32,7 +32,9 @@
 #   bash benchmarks/h200/run.sh standby        issue 34 on the 8B shape, one GPU (AUTOSCALE_GPU_SHARE each): the step
 #                                              load with VARIANTS (kv-standby,kv,queue_length), then the scale-down
 #                                              episode (cache_aware vs ray, shifted Zipf load; SCALE_DOWN=0 skips it);
-#                                              GPU memory and RSS per engine process every 2 s (standby-memory.txt)
+#                                              GPU memory and RSS per engine process every 2 s (standby-memory.txt).
+#                                              On one GPU the replicas share its compute (a woken standby adds KV,
+#                                              not compute); on the x4 kind AUTOSCALE_GPU_SHARE=1 gives each its own
 #   bash benchmarks/h200/run.sh start STAGES   run the stages in order in the background (one session's
 #                                              device time is a few device calls: the driver outlives a call).
 #                                              On a fresh machine this call first installs the wheels: 1-5 min
