@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 from kvtide.autoscaling import roles_channel
 from kvtide.autoscaling.control_law import Decision, LawContext, LawState, ReplicaStats, decide
 from kvtide.autoscaling.metrics import autoscaler_metrics
 from kvtide.autoscaling.replica_stats import (KV_USAGE_KEY, NUM_PREEMPTIONS_TOTAL_KEY, NUM_RUNNING_KEY,
                                               NUM_WAITING_KEY, RECENT_EXCLUSIVE_HIT_TOKENS_KEY, RECENT_HIT_TOKENS_KEY)
-from kvtide.autoscaling.standby import RolePlan, Roles, assign, cache_worth as standby_cache_worth, reconcile
+from kvtide.autoscaling.standby import (RolePlan, Roles, assign, cache_worth as standby_cache_worth, cache_worth_order,
+                                       reconcile)
 from kvtide.config import AutoscalingSettings
 
 # A child of Ray Serve's logger, so the lines land in the controller's log file.
@@ -125,6 +126,11 @@ def law_context(ctx: Any, look_back_s: float, recent_s: float | None = None,
     )
 
 
+def worth_line(replica_ids: Iterable[str], worth: Mapping[str, float]) -> str:
+    """'id worth, ...' least first, as the scale-down ranks them (no report: 0)."""
+    return ", ".join(f"{r} {worth.get(r, 0.0):,.0f}" for r in cache_worth_order(replica_ids, worth))
+
+
 def cache_worth(ctx: Any) -> dict[str, float]:
     """Each replica's cache worth (standby.cache_worth) from its newest reports of the prefix-cache
     hit tokens it served within cache_value_window_s, all and exclusive."""
@@ -168,10 +174,13 @@ class KvPolicy:
         autoscaler_metrics().on_decision(decision, ctx.deployment_name, ctx.app_name or "")
         if roles is None:
             return desired, {POLICY_STATE_KEY: state.to_dict()}
-        plan = assign(roles, desired, worth=cache_worth(ctx), now_s=context.now_s,
+        worth = cache_worth(ctx)
+        plan = assign(roles, desired, worth=worth, now_s=context.now_s,
                       standby_replicas=self.tunables.standby_replicas,
                       standby_timeout_s=self.tunables.standby_timeout_s,
                       max_replicas=ctx.capacity_adjusted_max_replicas)
+        if plan.demoted:  # the choice's inputs, so an operator can tell why this replica left routing
+            logger.info("roles: cache worth of the active replicas before: %s", worth_line(roles.active, worth))
         self._publish(ctx, plan)
         return plan.serve_target, {POLICY_STATE_KEY: state.to_dict(), ROLES_STATE_KEY: plan.roles.to_dict()}
 

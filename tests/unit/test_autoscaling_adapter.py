@@ -26,6 +26,7 @@ from kvtide.autoscaling.ray_policy import (
     KvPolicy,
     autoscaling_config,
     law_context,
+    worth_line,
 )
 
 from kvtide.autoscaling.standby import Roles  # noqa: E402
@@ -274,3 +275,8 @@ def test_kv_climb_scales_up_within_seconds_through_ray():
             break
     # The worst phase: a push lands just as the climb starts, so 6 s after it, 2.8 s after the crossing.
     assert desired == 3 and 0.0 <= now_s - crossed_s <= 5.0, now_s - crossed_s
+
+
+def test_the_worth_line_lists_the_active_replicas_least_valuable_first():
+    """The scale-down's log names each active replica's worth in the order it ranks them (no report: 0)."""
+    assert worth_line(["r0", "r1", "r2"], {"r0": 5300.0, "r2": 120.5}) == "r1 0, r2 120, r0 5,300"
