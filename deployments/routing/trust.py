@@ -19,6 +19,10 @@ How the prediction travels to the place that learns the outcome (the OpenAI fron
     ingress mode         the frontend reads its own GenerateRequest's slot (`read_prediction`)
                          once the engine stream has opened (routing is over by then)
 
+The prediction also carries `exclusive_tokens`, the cached tokens no other replica held: the
+engine that serves the request adds what it really hit of them to its cache's worth
+(`exclusive_hit_tokens`, reported to the autoscaler for a cache-aware scale-down).
+
 The prediction names the replica it is about: Ray may send a request elsewhere (a full
 replica rejects and the next rank is tried; HAProxy re-dispatches a refused connection),
 and a prediction for replica A says nothing about what B had cached. `compare` drops it then.
