@@ -135,16 +135,19 @@ def cache_worth(ctx: Any) -> dict[str, float]:
     """Each replica's cache worth (standby.cache_worth) from its newest reports of the prefix-cache
     hit tokens it served within cache_value_window_s, all and exclusive."""
     raw = ctx.raw_metrics or {}
-    exclusive = {replica_id.unique_id: float(newest.value)
-                 for replica_id, series in raw.get(RECENT_EXCLUSIVE_HIT_TOKENS_KEY, {}).items()
-                 if (newest := _newest(series)) is not None}
-    worth = {}
-    for replica_id, series in raw.get(RECENT_HIT_TOKENS_KEY, {}).items():
+    hits, exclusive = _newest_values(raw, RECENT_HIT_TOKENS_KEY), _newest_values(raw, RECENT_EXCLUSIVE_HIT_TOKENS_KEY)
+    return {replica_id: standby_cache_worth(tokens, exclusive.get(replica_id, 0.0))
+            for replica_id, tokens in hits.items()}
+
+
+def _newest_values(raw: Mapping[str, Any], key: str) -> dict[str, float]:
+    """replica unique id → the newest raw sample's value of one stats key (replicas with none left out)."""
+    values = {}
+    for replica_id, series in raw.get(key, {}).items():
         newest = _newest(series)
         if newest is not None:
-            worth[replica_id.unique_id] = standby_cache_worth(float(newest.value),
-                                                              exclusive.get(replica_id.unique_id, 0.0))
-    return worth
+            values[replica_id.unique_id] = float(newest.value)
+    return values
 
 
 class KvPolicy:

@@ -298,10 +298,12 @@ def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshot
         outcome = "cache_hit"
     else:
         outcome = "load_fallback"
-    first = order[0]
-    others_best = max((blocks for i, blocks in enumerate(blocks_of) if i != first), default=0)
+    exclusive_blocks = 0
+    if picked_blocks and picked_blocks == best_blocks:  # else none, or another holds more: nothing exclusive
+        first = order[0]
+        exclusive_blocks = picked_blocks - max((b for i, b in enumerate(blocks_of) if i != first), default=0)
     return RoutingDecision([ids[i] for i in order], outcome, picked_blocks * block_size, k, first_sticky,
-                           max(picked_blocks - others_best, 0) * block_size)
+                           exclusive_blocks * block_size)
 
 
 _ID_ORDERS: dict[tuple[str, ...], list[int]] = {}
