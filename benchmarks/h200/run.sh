@@ -35,6 +35,10 @@
 #                                              GPU memory and RSS per engine process every 2 s (standby-memory.txt).
 #                                              On one GPU the replicas share its compute (a woken standby adds KV,
 #                                              not compute); on the x4 kind AUTOSCALE_GPU_SHARE=1 gives each its own
+#                                              (x2: AUTOSCALE_GPU_SHARE=1 AUTOSCALE_MAX=2). AUTOSCALE_MAX=2 on one
+#                                              GPU: the wake fills the cap (1 active + 1 standby), so no refill or
+#                                              later cold start shares the GPU during the step; every variant ends
+#                                              at two engines and differs only in when the second serves.
 #   bash benchmarks/h200/run.sh start STAGES   run the stages in order in the background (one session's
 #                                              device time is a few device calls: the driver outlives a call).
 #                                              On a fresh machine this call first installs the wheels: 1-5 min
