@@ -46,7 +46,8 @@ def _error(resp: httpx.Response, status: int) -> dict:
 def test_missing_and_wrong_keys_are_401_and_the_right_key_is_200(auth_app):
     """No key → 401, wrong or malformed key → 401 (OpenAI body), the configured key → 200, on every API route."""
     base, key = auth_app
-    body = {"model": AUTH_APP, "prompt": "def auth():", "max_tokens": 4}
+    # ignore_eos: the completion count asserted below must not depend on the random model's EOS.
+    body = {"model": AUTH_APP, "prompt": "def auth():", "max_tokens": 4, "ignore_eos": True}
     chat = {"model": AUTH_APP, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     with httpx.Client(base_url=base, timeout=120) as http:
         err = _error(http.post("/v1/completions", json=body), 401)

@@ -27,7 +27,7 @@ def test_tp2_engine_on_cpu_serves_a_request(cluster, cluster_config):
         engine = status.deployments["Engine"]
         assert engine.replica_states.get("RUNNING") == 1
         resp = httpx.post(cluster.base_url + "/tp2/v1/completions", timeout=120, json={
-            "model": "kvtide-demo-tp2", "prompt": "def tensor_parallel():", "max_tokens": 8})
+            "model": "kvtide-demo-tp2", "prompt": "def tensor_parallel():", "max_tokens": 8, "ignore_eos": True})
         assert resp.status_code == 200, resp.text
         body = resp.json()
         assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["text"]
