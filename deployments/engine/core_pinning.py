@@ -16,7 +16,7 @@ thread that inherited the pin is freed within one period.
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from kvtide.deployments.logs import replica_logger
 
@@ -98,8 +98,22 @@ def engine_cores_exited(pids: Iterable[int]) -> bool:
     return True
 
 
+def engine_core_pids(engine: Any) -> list[int]:
+    """Pids of the engine-core processes of `engine` (vLLM's AsyncLLM), from vLLM's own process handles.
+
+    Not by title first: vLLM titles the process VLLM::EngineCore through setproctitle, and on the
+    CPU cluster some engine cores (on one start, every one) kept the interpreter's title; a search
+    by title then found none, so that replica's core was never pinned nor watched for its exit.
+    The title search remains for a client that keeps no handles (another vLLM's layout).
+    """
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    processes = getattr(getattr(resources, "engine_manager", None), "processes", None) or []
+    pids = [process.pid for process in processes if getattr(process, "pid", None)]
+    return pids or engine_core_children()
+
+
 def engine_core_children() -> list[int]:
-    """Pids of this process's vLLM engine-core descendants."""
+    """Pids of this process's descendants titled as vLLM engine cores."""
     import psutil
 
     pids = []

@@ -25,7 +25,7 @@ from ray.util import metrics
 
 from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig, parse_config
-from kvtide.deployments.engine.core_pinning import EngineCorePin, engine_core_children, engine_cores_exited
+from kvtide.deployments.engine.core_pinning import EngineCorePin, engine_core_pids, engine_cores_exited
 from kvtide.deployments.engine.demo_model import resolve_model
 from kvtide.deployments.engine.placement import bound_cores, cpu_threads_bind, engine_kwargs
 from kvtide.autoscaling import roles_channel
@@ -134,7 +134,7 @@ class EngineReplica:
         # (the frontend hands them over in-process in direct mode, over `vllm_openai` in ingress mode).
         self.vllm_app = await build_vllm_openai_app(self.config, self.engine)
         # The engine-core processes this replica started, for the health check and the CPU pin.
-        self.engine_core_pids = engine_core_children()
+        self.engine_core_pids = engine_core_pids(self.engine)
         self.core_pin = engine_core_pin(self.config.resources.device, self.engine_core_pids)
         if self.core_pin:
             self.core_pin.apply()

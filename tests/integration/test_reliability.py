@@ -284,10 +284,18 @@ def _soak_cases(model: str, seed: int, n: int) -> list[tuple[str, dict]]:
     return cases
 
 
-def _is_engine_core(process: psutil.Process) -> bool:
-    """vLLM titles its engine core VLLM::EngineCore: in the name (cut at 15 characters) and the command line."""
+SPAWNED = "from multiprocessing.spawn import spawn_main"  # the command line of a spawned, untitled child
+
+
+def _is_engine_core(process: psutil.Process, replicas: set[int]) -> bool:
+    """An engine replica's own multiprocessing child: vLLM's engine core, titled VLLM::EngineCore (in the name,
+    cut at 15 characters, and the command line) or, where setproctitle left the title, still the interpreter
+    running multiprocessing's spawn entry point (the replica's only such child; its workers are grandchildren)."""
     try:
-        return process.name() == ENGINE_CORE_TITLE[:15] or ENGINE_CORE_TITLE in " ".join(process.cmdline())
+        if process.ppid() not in replicas:
+            return False
+        command = " ".join(process.cmdline())
+        return process.name() == ENGINE_CORE_TITLE[:15] or ENGINE_CORE_TITLE in command or SPAWNED in command
     except psutil.Error:  # gone, or a zombie: not a live engine core
         return False
 
@@ -295,27 +303,19 @@ def _is_engine_core(process: psutil.Process) -> bool:
 def _engine_core_processes(app: str) -> list[psutil.Process]:
     """The vLLM engine-core processes of `app`'s engine replicas (a replica still starting has none yet).
 
-    Found among all processes and matched to a replica by ancestry, so that one unreadable
-    process (a zombie helper, one exiting) can hide nothing else.
+    Found among all processes, each read on its own, so that one unreadable process (a zombie
+    helper, one exiting) can hide nothing else.
     """
     replicas = set(_replica_pids(app).get("Engine", []))
-    found = []
-    for process in psutil.process_iter():
-        if not _is_engine_core(process):
-            continue
-        try:
-            if replicas & {parent.pid for parent in process.parents()}:
-                found.append(process)
-        except psutil.Error:
-            continue
-    return found
+    return [process for process in psutil.process_iter() if _is_engine_core(process, replicas)]
 
 
 def _vllm_process_table() -> list[tuple]:
-    """(pid, ppid, name, status) of every vLLM process: what a failure message needs to say where one went."""
+    """(pid, ppid, name, status) of every vLLM process, titled or not: what a failure message needs to say where one
+    went."""
     rows = []
-    for process in psutil.process_iter(["pid", "ppid", "name", "status"]):
-        if "VLLM" in (process.info["name"] or ""):
+    for process in psutil.process_iter(["pid", "ppid", "name", "status", "cmdline"]):
+        if "VLLM" in (process.info["name"] or "") or SPAWNED in " ".join(process.info["cmdline"] or []):
             rows.append((process.info["pid"], process.info["ppid"], process.info["name"], process.info["status"]))
     return rows
 

@@ -7,7 +7,11 @@ import os
 import subprocess
 import sys
 
-from kvtide.deployments.engine.core_pinning import EngineCorePin, logger, threads_to_free, engine_cores_exited
+from types import SimpleNamespace
+
+from kvtide.deployments.engine import core_pinning
+from kvtide.deployments.engine.core_pinning import (EngineCorePin, engine_core_pids, engine_cores_exited, logger,
+                                                    threads_to_free)
 
 # A stand-in engine core: one helper thread at start, another each time it reads a line (as vLLM's
 # lazily started pools do), each announced on stdout once it runs.
@@ -104,3 +108,15 @@ def test_engine_cores_count_as_exited_only_once_every_known_one_is_gone():
         assert engine_cores_exited([running.pid, finished.pid])
     finally:
         running.kill()
+
+
+def test_engine_core_pids_come_from_vllms_process_handles_whatever_the_title(monkeypatch):
+    """The pids are those of the processes vLLM's client started; the title search only when it keeps none."""
+    monkeypatch.setattr(core_pinning, "engine_core_children", lambda: [999])
+    processes = [SimpleNamespace(pid=41), SimpleNamespace(pid=None), SimpleNamespace(pid=42)]  # None: not started
+    engine = SimpleNamespace(engine_core=SimpleNamespace(
+        resources=SimpleNamespace(engine_manager=SimpleNamespace(processes=processes))))
+    assert engine_core_pids(engine) == [41, 42]
+    no_manager = SimpleNamespace(engine_core=SimpleNamespace(resources=SimpleNamespace(engine_manager=None)))
+    assert engine_core_pids(no_manager) == [999]
+    assert engine_core_pids(SimpleNamespace()) == [999]
