@@ -99,6 +99,7 @@ def _chunk_kind(chunk: dict[str, Any]) -> tuple[bool, bool, bool, bool]:
 
 
 def _content_only(kind: tuple[bool, bool, bool, bool]) -> bool:
+    """A chunk that only carries content: the kind vLLM's merging of deltas may leave out."""
     has_choice, finishes, _, has_role = kind
     return has_choice and not finishes and not has_role
 

@@ -6,7 +6,6 @@ import logging
 import os
 import subprocess
 import sys
-
 from types import SimpleNamespace
 
 from kvtide.deployments.engine import core_pinning
