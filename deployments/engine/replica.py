@@ -65,7 +65,7 @@ def _replica_rank() -> int:
         return 0
 
 
-def engine_core_pin(device: str, engine_core_pids: list[int]) -> EngineCorePin | None:
+def engine_core_pin(device: str, core_pids: list[int]) -> EngineCorePin | None:
     """On CPU, the pin for this replica's engine cores (see core_pinning); None on GPU or when the binding is unreadable."""
     if device != "cpu":
         return None
@@ -75,7 +75,7 @@ def engine_core_pin(device: str, engine_core_pids: list[int]) -> EngineCorePin |
     except ValueError:
         logger.warning("engine core left unpinned: cannot read VLLM_CPU_OMP_THREADS_BIND=%r", threads_bind)
         return None
-    return EngineCorePin(cores, frozenset(os.sched_getaffinity(0)), lambda: engine_core_pids) if cores else None
+    return EngineCorePin(cores, frozenset(os.sched_getaffinity(0)), lambda: core_pids) if cores else None
 
 
 class EngineReplica:
