@@ -181,7 +181,9 @@ class ResourcesConfig(Strict):
         1.0, gt=0, le=1.0,
         description="GPU share of each TP worker. Below 1 packs several TP=1 replicas of a small model on one "
                     "GPU (0.5: two per GPU); then engine.kv_cache_memory_bytes must size each KV cache, since "
-                    "engines starting together on one GPU race in vLLM's memory profiling.")
+                    "engines starting together on one GPU race in vLLM's memory profiling. Engines sharing a GPU "
+                    "take turns on its compute: a replica added on a GPU that is already busy adds KV capacity, "
+                    "not throughput.")
 
 
 class AdmissionConfig(Strict):

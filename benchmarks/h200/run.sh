@@ -38,7 +38,9 @@
 #                                              (x2: AUTOSCALE_GPU_SHARE=1 AUTOSCALE_MAX=2). AUTOSCALE_MAX=2 on one
 #                                              GPU: the wake fills the cap (1 active + 1 standby), so no refill or
 #                                              later cold start shares the GPU during the step; every variant ends
-#                                              at two engines and differs only in when the second serves.
+#                                              at two engines and differs only in when the second serves (seen:
+#                                              one 8B engine keeps the GPU busy at HIGH_RATE 6, so the second
+#                                              engine on it served the step worse, not better).
 #   bash benchmarks/h200/run.sh start STAGES   run the stages in order in the background (one session's
 #                                              device time is a few device calls: the driver outlives a call).
 #                                              On a fresh machine this call first installs the wheels: 1-5 min
