@@ -56,7 +56,7 @@ Elsewhere in the JSON: "hardware", "command", "config", "slo_ttft_s", "hot_probe
 "details" (per variant: probe TTFT by phase, max replicas, request counts, error kinds,
 the new replica's id and TTFTs), "timeline" (per variant: the samples and probes the plot shows)
 and "failed" (variants that did not run, with why). report.md has the table and
-timeline.png (per variant over time: running replicas, mean KV usage over the live
+timeline.png (per variant over time: replicas taking traffic, mean KV usage over the live
 replicas, probe TTFT). The files are rewritten after every variant.
 Bounded: every phase has a fixed duration; every request a timeout; loopback only.
 """
@@ -615,12 +615,22 @@ def markdown(rows: Sequence[Mapping[str, Any]], details: Mapping[str, Mapping[st
               "wake (vLLM sleep mode) and the warm-up. Replica-seconds count standbys (they hold their GPU "
               "share). fixed-max runs the max fleet throughout (no decision, no new replica).", ""]
     if plot:
-        lines += [f"![timeline]({plot})", "", "Per variant over time: running engine replicas, KV-cache usage "
+        lines += [f"![timeline]({plot})", "", "Per variant over time: engine replicas taking traffic (standbys not counted), KV-cache usage "
                   "(mean over the live replicas, as Ray last exported it), and probe TTFT (log scale). "
                   "Dashed lines: the load step up and down; dotted: the TTFT SLO.", ""]
     if failed:
         lines += ["Failed to run: " + "; ".join(f"{k}: {v}" for k, v in failed.items()), ""]
     return "\n".join(lines)
+
+
+def serving_replicas(tl: Mapping[str, Any]) -> list[int]:
+    """Per sample, the engines taking traffic: Ray's running replicas less the standbys (and retiring).
+
+    Ray counts a sleeping standby as running; a plot of that would show a standby fleet at its
+    full size before any scale-up. A timeline without standby counts (older runs) is all serving.
+    """
+    standby = tl.get("standby") or [0] * len(tl["running"])
+    return [running - kept for running, kept in zip(tl["running"], standby)]
 
 
 def write_timeline_plot(timelines: Mapping[str, Mapping[str, Any]], trace: Trace, path: str | Path,
@@ -633,7 +643,7 @@ def write_timeline_plot(timelines: Mapping[str, Mapping[str, Any]], trace: Trace
 
     fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     for name, tl in timelines.items():
-        line, = axes[0].step(tl["t_s"], tl["running"], where="post", label=name)
+        line, = axes[0].step(tl["t_s"], serving_replicas(tl), where="post", label=name)
         kv = [(t, v) for t, v in zip(tl["t_s"], tl["kv_mean"]) if v is not None]
         if kv:
             axes[1].plot([t for t, _ in kv], [v for _, v in kv], color=line.get_color(), label=name)
@@ -645,7 +655,7 @@ def write_timeline_plot(timelines: Mapping[str, Mapping[str, Any]], trace: Trace
         for x in (trace.low_s, trace.low_s + trace.high_s):
             ax.axvline(x, color="gray", ls="--", lw=0.8)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("running replicas")
+    axes[0].set_ylabel("serving replicas")
     axes[0].legend(loc="best", fontsize=8)
     axes[1].set_ylabel("KV usage (mean)")
     axes[1].set_ylim(0, 1.05)

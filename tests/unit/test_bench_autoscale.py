@@ -12,7 +12,7 @@ from kvtide.benchmarks.autoscale import (
     kv_usage_by_replica,
     load_variant_config, main, markdown, new_replica_probes, out_dir_of, replica_seconds, results_json,
     saturation_onset, start_phases_by_replica,
-    scale_times, summarize_run, timeline, variant_overrides, write_timeline_plot,
+    scale_times, serving_replicas, summarize_run, timeline, variant_overrides, write_timeline_plot,
 )
 from kvtide.config import load_config
 
@@ -204,6 +204,12 @@ def test_timeline_lists_what_the_plot_shows():
     assert len(tl["t_s"]) == len(tl["running"]) == len(tl["kv_mean"]) == 40
     assert tl["kv_mean"][0] == 0.5 and tl["kv_mean"][20] == pytest.approx(0.5)
     assert tl["probe_ttft_s"][-1] is None and tl["probe_replica"][2] == "new"
+
+
+def test_serving_replicas_leave_out_the_standbys_ray_counts_as_running():
+    """The plot's replica count is Ray's running replicas less the standbys; a timeline without standbys is all serving."""
+    assert serving_replicas({"running": [2, 2, 2, 3], "standby": [1, 1, 0, 1]}) == [1, 1, 2, 2]
+    assert serving_replicas({"running": [1, 2]}) == [1, 2]
 
 
 def test_timeline_plot_is_written(tmp_path: Path):
