@@ -27,8 +27,11 @@ Reported per chooser (autoscale.json → "scale_down", merged into the file auto
 - hit_rate_before / ttft_p90_before_ms: the same over the window before the decision
 - removed_replica, removed_share_of_hits_before: the replica that left routing and its share
   of the hit tokens served in the window before (what the choice threw away)
-- requests, errors
+- requests, errors; reprefills_after (requests in the window that found under half their prompt
+  cached) and groups_after (the groups the window drew): what the hit rate after is made of
 - shift (with --shift-at-s): when, Ray's would-be victim then, the groups kept
+Per request ("scale_down_details" → "requests"): sent_s, ok, latency_s, replica, prompt_tokens,
+cached_tokens, group.
 Bounded: the trace ends `--window-s` after the decision or at `--max-s`.
 """
 
@@ -41,7 +44,7 @@ import random
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -148,7 +151,11 @@ def window_stats(requests: Sequence[Request], start_s: float, end_s: float) -> d
     prompt = sum(r.prompt_tokens for r in ok)
     return {"hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
             "ttft_p90_ms": percentile([r.latency_s for r in ok], 90) * 1000 if ok else None,
-            "requests": len(inside), "errors": len(inside) - len(ok)}
+            "requests": len(inside), "errors": len(inside) - len(ok),
+            # What the hit rate is made of: requests that found under half their prompt cached
+            # (their group prefilled anew), and how many groups the window drew at all.
+            "reprefills": sum(1 for r in ok if r.cached_tokens * 2 < r.prompt_tokens),
+            "groups": len({r.group for r in inside if r.group >= 0})}
 
 
 def summarize(episode: Episode, window_s: float) -> dict[str, Any]:
@@ -168,6 +175,7 @@ def summarize(episode: Episode, window_s: float) -> dict[str, Any]:
             "removed_replica": removed,
             "removed_share_of_hits_before": removed_hits / total_hits if total_hits else None,
             "requests": after["requests"], "errors": after["errors"],
+            "reprefills_after": after["reprefills"], "groups_after": after["groups"],
             **({"shift": episode.shift} if episode.shift else {})}
 
 
@@ -271,12 +279,13 @@ def markdown(rows: dict[str, Any], command: str, window_s: float) -> str:
              f"Hit rate and TTFT p90 over the requests sent in the {window_s:.0f} s after the scale-down decision "
              "(and, for reference, the window before it).", "",
              "| chooser | decision (s) | hit rate after | TTFT p90 after (ms) | hit rate before | TTFT p90 before (ms) "
-             "| removed replica's share of hits before | requests after | errors |",
+             "| removed replica's share of hits before | requests after (re-prefills, groups) | errors |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for chooser, r in rows.items():
+        mix = f" ({r['reprefills_after']}, {r['groups_after']})" if "reprefills_after" in r else ""
         lines.append(f"| {chooser} | {f(r['decision_s'], digits=1)} | {f(r['hit_rate'], digits=3)} "
                      f"| {f(r['ttft_p90_ms'])} | {f(r['hit_rate_before'], digits=3)} | {f(r['ttft_p90_before_ms'])} "
-                     f"| {f(r['removed_share_of_hits_before'], digits=3)} | {r['requests']} | {r['errors']} |")
+                     f"| {f(r['removed_share_of_hits_before'], digits=3)} | {r['requests']}{mix} | {r['errors']} |")
     shifted = [(chooser, r["shift"]) for chooser, r in rows.items() if r.get("shift")]
     if shifted:
         lines.append("")
@@ -315,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     extras: dict[str, Any] = {"command": command, "overrides": [*EPISODE_OVERRIDES, *args.overrides],
                               "trace": {k: getattr(args, k) for k in ("groups", "zipf_s", "prefix_words",
                                                                        "question_words", "rate", "window_s", "shift_at_s")},
-                              "samples": {}, "failed": {}}
+                              "samples": {}, "requests": {}, "failed": {}}
     for chooser in [c.strip() for c in args.choosers.split(",") if c.strip()]:
         try:
             config = load_config(args.config, [*EPISODE_OVERRIDES, *args.overrides,
@@ -327,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows[chooser] = summarize(episode, args.window_s)
         extras["samples"][chooser] = [list(s) for s in episode.samples]
+        extras["requests"][chooser] = [astuple(r) for r in episode.requests]
         print(f"scale_down: {chooser}: {rows[chooser]}", flush=True)
         merge_into(out_dir, args.hardware, rows, extras)
         (out_dir / "scale_down.md").write_text(markdown(rows, command, args.window_s))

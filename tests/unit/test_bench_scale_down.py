@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
+from kvtide.benchmarks import scale_down
 from kvtide.benchmarks.scale_down import (Request, Episode, decision_time, groups_last_served_by, markdown, merge_into,
                                           next_group, removed_replica, summarize, window_stats, zipf_weights)
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_zipf_weights_sum_to_one_and_fall_with_rank():
@@ -40,6 +44,15 @@ def test_window_stats_are_hit_rate_and_ttft_p90_of_requests_sent_inside():
     stats = window_stats(requests, 0.0, 10.0)
     assert stats["hit_rate"] == pytest.approx(0.45) and stats["requests"] == 3 and stats["errors"] == 1
     assert 100 < stats["ttft_p90_ms"] <= 300
+
+
+def test_window_stats_count_the_requests_that_prefilled_their_group_anew_and_the_groups_drawn():
+    """A re-prefill found under half its prompt cached; groups are the distinct groups sent in the window."""
+    requests = [Request(1.0, True, 0.1, "a", 100, 90, group=0), Request(2.0, True, 0.3, "b", 100, 49, group=1),
+                Request(3.0, True, 0.1, "b", 100, 50, group=1), Request(4.0, False, None, group=2),
+                Request(20.0, True, 0.3, "a", 100, 0, group=3)]
+    stats = window_stats(requests, 0.0, 10.0)
+    assert stats["reprefills"] == 1 and stats["groups"] == 3
 
 
 def test_summary_names_the_removed_replicas_share_of_hits_before(tmp_path):
@@ -80,3 +93,24 @@ def test_the_report_names_the_shift_and_who_was_removed():
            "shift": {"at_s": 30.0, "ray_victim": "c", "kept_groups": [2, 5]}}
     text = markdown({"cache_aware": row}, "cmd", 60.0)
     assert "groups [2, 5]" in text and "`c`" in text and "removed: `a`" in text
+    assert "| 60 | 0 |" in text  # a row without the re-prefill counts (an older run's) keeps its columns
+    text = markdown({"ray": {**row, "reprefills_after": 7, "groups_after": 2}}, "cmd", 60.0)
+    assert "| 60 (7, 2) | 0 |" in text
+
+
+def test_main_writes_each_choosers_row_and_its_requests(tmp_path, monkeypatch):
+    """main runs each chooser, writes autoscale.json (rows, and every request as a record) and scale_down.md."""
+    def fake_episode(chooser, config, args):
+        assert config.autoscaling.scale_down_chooser == chooser
+        return Episode(chooser, [Request(1.0, True, 0.1, "a", 100, 80, group=0),
+                                 Request(12.0, True, 0.2, "b", 100, 0, group=3)],
+                       [(0.0, 3, ("a", "b", "c"), ()), (10.0, 2, ("b", "c"), ())])
+
+    monkeypatch.setattr(scale_down, "run_episode", fake_episode)
+    assert scale_down.main(["--config", str(REPO / "config/presets/cpu.yaml"), "--window-s", "10",
+                            "--out-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "autoscale.json").read_text())
+    assert set(data["scale_down"]) == {"cache_aware", "ray"}
+    assert data["scale_down"]["ray"]["reprefills_after"] == 1 and data["scale_down"]["ray"]["groups_after"] == 1
+    assert data["scale_down_details"]["requests"]["ray"][1] == [12.0, True, 0.2, "b", 100, 0, 3]
+    assert "| ray |" in (tmp_path / "scale_down.md").read_text()
