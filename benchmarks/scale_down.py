@@ -17,8 +17,9 @@ law scales down after `autoscaling.downscale_delay_s`:
 With `--shift-at-s S` the load shifts at S seconds to the prompts that the replica Ray would stop
 served last (the Serve controller's newest RUNNING replica): the case where the replica Ray removes
 holds the cache still in use, as after a scale-up for a tenant that stays while the older tenants
-leave. Without it, prefix-aware routing spreads the Zipf load so every replica's cache is worth
-about the same.
+leave. After the shift the kept prompts keep their Zipf weights (`--shift-draw zipf`), or are drawn
+alike (`uniform`: each is in demand in the window). Without a shift, prefix-aware routing spreads
+the Zipf load so every replica's cache is worth about the same.
 
 Reported per chooser (autoscale.json → "scale_down", merged into the file autoscale.py writes):
 - decision_s: trace start → the first sample with one active replica fewer
@@ -97,10 +98,15 @@ def groups_last_served_by(requests: Sequence[Request], replica: str) -> list[int
     return sorted(g for g, served_by in last.items() if served_by == replica)
 
 
-def next_group(i: int, rng: random.Random, weights: Sequence[float], kept: Sequence[int] | None) -> int:
-    """Request i's group: each group once in order first, then Zipf over all, or over `kept` after a shift."""
+def next_group(i: int, rng: random.Random, weights: Sequence[float], kept: Sequence[int] | None,
+               kept_uniform: bool = False) -> int:
+    """Request i's group: each group once in order first, then Zipf over all, or over `kept` after a shift.
+
+    After a shift the kept groups keep their Zipf weights (the hottest takes most draws, so few of
+    the others come in a window), or with `kept_uniform` are drawn alike (every kept prompt in demand).
+    """
     if kept is not None:
-        return rng.choices(kept, [weights[g] for g in kept])[0]
+        return rng.choices(kept, None if kept_uniform else [weights[g] for g in kept])[0]
     if i < len(weights):
         return i
     return rng.choices(range(len(weights)), weights)[0]
@@ -181,7 +187,7 @@ def summarize(episode: Episode, window_s: float) -> dict[str, Any]:
 
 async def _drive(base_url: str, model: str, app: str, episode: Episode, *, groups: int, zipf_s: float,
                  prefix_words: int, question_words: int, rate: float, window_s: float, max_s: float,
-                 seed: int, shift_at_s: float | None = None) -> None:
+                 seed: int, shift_at_s: float | None = None, kept_uniform: bool = False) -> None:
     rng = random.Random(seed)
     prefixes = [" ".join(random.Random(seed * 131 + g).choice(WORDS) for _ in range(prefix_words))
                 for g in range(groups)]
@@ -194,7 +200,7 @@ async def _drive(base_url: str, model: str, app: str, episode: Episode, *, group
         kept: list[list[int] | None] = [None]
 
         async def one(i: int) -> None:
-            group = next_group(i, rng, weights, kept[0])
+            group = next_group(i, rng, weights, kept[0], kept_uniform)
             question = " ".join(rng.choice(WORDS) for _ in range(question_words))
             sent = time.monotonic() - start
             t1 = time.perf_counter()
@@ -255,7 +261,7 @@ def run_episode(chooser: str, config: Any, args: argparse.Namespace) -> Episode:
         asyncio.run(_drive(cluster.base_url, cluster.model_name, local.APP_NAME, episode, groups=args.groups,
                            zipf_s=args.zipf_s, prefix_words=args.prefix_words, question_words=args.question_words,
                            rate=args.rate, window_s=args.window_s, max_s=args.max_s, seed=args.seed,
-                           shift_at_s=args.shift_at_s))
+                           shift_at_s=args.shift_at_s, kept_uniform=args.shift_draw == "uniform"))
     finally:
         local.stop()
     return episode
@@ -313,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shift-at-s", type=float, default=None,
                         help="at this time the load narrows to the prompts last served by the replica Ray would stop")
+    parser.add_argument("--shift-draw", choices=("zipf", "uniform"), default="zipf",
+                        help="after the shift, draw the kept prompts by their Zipf weight or alike")
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args(argv)
     from kvtide.config import load_config
@@ -323,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, Any] = {}
     extras: dict[str, Any] = {"command": command, "overrides": [*EPISODE_OVERRIDES, *args.overrides],
                               "trace": {k: getattr(args, k) for k in ("groups", "zipf_s", "prefix_words",
-                                                                       "question_words", "rate", "window_s", "shift_at_s")},
+                                                                       "question_words", "rate", "window_s", "shift_at_s",
+                                                                       "shift_draw")},
                               "samples": {}, "requests": {}, "failed": {}}
     for chooser in [c.strip() for c in args.choosers.split(",") if c.strip()]:
         try:

@@ -31,7 +31,8 @@
 #                                              queue_length, fixed-max -> autoscale.json, report.md, timeline.png
 #   bash benchmarks/h200/run.sh standby        issue 34 on the 8B shape, one GPU (AUTOSCALE_GPU_SHARE each): the step
 #                                              load with VARIANTS (kv-standby,kv,queue_length), then the scale-down
-#                                              episode (cache_aware vs ray, shifted Zipf load; SCALE_DOWN=0 skips it);
+#                                              episode (cache_aware vs ray, shifted Zipf load; SCALE_DOWN=0 skips it,
+#                                              STEP_LOAD=0 the step load);
 #                                              GPU memory and RSS per engine process every 2 s (standby-memory.txt).
 #                                              On one GPU the replicas share its compute (a woken standby adds KV,
 #                                              not compute); on the x4 kind AUTOSCALE_GPU_SHARE=1 gives each its own
@@ -236,6 +237,7 @@ standby)
   mem=$!
   # The step load first (its variants are the issue's headline numbers), then the scale-down episode.
   # The hot prefix: 2,500 words is ~6.5k tokens of the demo tokenizer (~2.6 per word), inside max_model_len 8192.
+  if [ "${STEP_LOAD:-1}" = 1 ]; then  # STEP_LOAD=0: the scale-down episode only
   # shellcheck disable=SC2086  # TRACE_ARGS is split into words on purpose
   python3 -m kvtide.benchmarks.autoscale --config "$REPO/config/presets/gpu-demo.yaml" "${fleet[@]}" \
       --set replicas.num_replicas=null --set replicas.min_replicas=1 --set replicas.max_replicas="${AUTOSCALE_MAX:-4}" \
@@ -245,18 +247,21 @@ standby)
       --hardware "$hw, 1 to ${AUTOSCALE_MAX:-4} replicas, $((kv / 1048576)) MiB of KV each" \
       --out-dir "$RES/autoscale" > "$RES/autoscale.log" 2>&1
   echo "autoscale: exit $?" >> "$RES/driver-notes.txt"
+  fi
   if [ "${SCALE_DOWN:-1}" = 1 ]; then  # SCALE_DOWN=0: the step load only
   leftovers standby-scale-down
-  # The shifted load (scale_down.py --shift-at-s): 24 prompts (SCALE_DOWN_WORDS words each; 1,200 is
+  # The shifted load (scale_down.py --shift-at-s): 24 prompts (SCALE_DOWN_GROUPS; SCALE_DOWN_WORDS words each; 1,200 is
   # ~3.1k tokens, 75k in all, inside the fleet's 3 x 49k), each cached once, then only those last
   # served by the replica Ray would stop. A scale-down comes at low load: at SCALE_DOWN_RATE 0.5 req/s
   # the first pass takes ~48 s, hence the shift at 55 s and a 90 s downscale delay. One-token
   # requests, so enforce_eager (no CUDA graphs, which only decode uses) shortens each cluster's start.
-  # (h200-standby-2026-12-04b ran 600 words at 1 req/s, shift 30 s, delay 60 s.)
+  # (h200-standby-2026-12-04b ran 600 words at 1 req/s, shift 30 s, delay 60 s.) SHIFT_DRAW=uniform draws
+  # the kept prompts alike after the shift (zipf: the hottest of them takes most draws).
   python3 -m kvtide.benchmarks.scale_down --config "$REPO/config/presets/gpu-demo.yaml" "${fleet[@]}" \
       --set engine.kv_cache_memory_bytes="${SCALE_DOWN_KV_BYTES:-6442450944}" --set engine.enforce_eager=true \
       --set autoscaling.downscale_delay_s="${SCALE_DOWN_DELAY_S:-90}" --rate "${SCALE_DOWN_RATE:-0.5}" \
-      --groups 24 --prefix-words "${SCALE_DOWN_WORDS:-1200}" --shift-at-s "${SHIFT_AT_S:-55}" --window-s 60 \
+      --groups "${SCALE_DOWN_GROUPS:-24}" --prefix-words "${SCALE_DOWN_WORDS:-1200}" --shift-at-s "${SHIFT_AT_S:-55}" --window-s 60 \
+      --shift-draw "${SHIFT_DRAW:-zipf}" \
       --hardware "$hw, 6 GiB of KV each" --out-dir "$RES/autoscale" > "$RES/scale_down.log" 2>&1
   echo "scale_down: exit $?" >> "$RES/driver-notes.txt"
   fi

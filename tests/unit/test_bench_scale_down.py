@@ -86,6 +86,16 @@ def test_the_load_takes_every_group_once_then_zipf_then_only_the_kept_groups():
     assert {next_group(i, rng, weights, None) for i in range(4, 400)} == {0, 1, 2, 3}
 
 
+def test_after_a_shift_the_kept_groups_keep_their_zipf_weights_or_are_drawn_alike():
+    """Zipf after the shift favours the kept group of best rank; uniform gives each kept group about as many draws."""
+    weights = zipf_weights(18, 1.1)
+    rng = random.Random(1)
+    zipf = [next_group(i, rng, weights, [0, 17]) for i in range(2000)]
+    uniform = [next_group(i, rng, weights, [0, 17], kept_uniform=True) for i in range(2000)]
+    assert zipf.count(0) > 0.9 * len(zipf)
+    assert 0.4 * len(uniform) < uniform.count(17) < 0.6 * len(uniform)
+
+
 def test_the_report_names_the_shift_and_who_was_removed():
     """With a shift the markdown says when, which groups stayed, Ray's would-be victim and the removed replica."""
     row = {"decision_s": 60.0, "hit_rate": 0.99, "ttft_p90_ms": 30.0, "hit_rate_before": 0.9, "ttft_p90_before_ms": 30.0,
