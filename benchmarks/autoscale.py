@@ -615,7 +615,8 @@ def markdown(rows: Sequence[Mapping[str, Any]], details: Mapping[str, Mapping[st
               "wake (vLLM sleep mode) and the warm-up. Replica-seconds count standbys (they hold their GPU "
               "share). fixed-max runs the max fleet throughout (no decision, no new replica).", ""]
     if plot:
-        lines += [f"![timeline]({plot})", "", "Per variant over time: engine replicas taking traffic (standbys not counted), KV-cache usage "
+        lines += [f"![timeline]({plot})", "", "Per variant over time: engine replicas taking traffic "
+                  "(standbys not counted), KV-cache usage "
                   "(mean over the live replicas, as Ray last exported it), and probe TTFT (log scale). "
                   "Dashed lines: the load step up and down; dotted: the TTFT SLO.", ""]
     if failed:

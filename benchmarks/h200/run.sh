@@ -250,8 +250,8 @@ standby)
   fi
   if [ "${SCALE_DOWN:-1}" = 1 ]; then  # SCALE_DOWN=0: the step load only
   leftovers standby-scale-down
-  # The shifted load (scale_down.py --shift-at-s): 24 prompts (SCALE_DOWN_GROUPS; SCALE_DOWN_WORDS words each; 1,200 is
-  # ~3.1k tokens, 75k in all, inside the fleet's 3 x 49k), each cached once, then only those last
+  # The shifted load (scale_down.py --shift-at-s): SCALE_DOWN_GROUPS (24) prompts of SCALE_DOWN_WORDS words (1,200
+  # is ~3.1k tokens, 75k in all, inside the fleet's 3 x 49k), each cached once, then only those last
   # served by the replica Ray would stop. A scale-down comes at low load: at SCALE_DOWN_RATE 0.5 req/s
   # the first pass takes ~48 s, hence the shift at 55 s and a 90 s downscale delay. One-token
   # requests, so enforce_eager (no CUDA graphs, which only decode uses) shortens each cluster's start.
