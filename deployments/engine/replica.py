@@ -365,6 +365,9 @@ class EngineReplica:
             # How fast that backlog drains (0.0: not known yet): the router drains the
             # report by it until the next one (deployments.routing.backlog).
             "prefill_tokens_per_s": self.pending_prefill.drain_rate_tokens_per_s(time.monotonic()),
+            # How long its requests take end to end (quantiles; () before the first): a pick-only
+            # router stops counting a pick once it has probably finished (deployments.routing.pick_load).
+            "request_durations_s": load.recent_durations.quantiles(),
             # A standby (or a replica on its way there or back) takes no requests: routers leave it out.
             "standby": not self.role.routed,
         }

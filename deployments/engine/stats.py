@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from vllm.v1.metrics.loggers import StatLoggerBase
-from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
 from kvtide.deployments.metric_sampling import SampledObserver
+from kvtide.deployments.routing.pick_load import RecentDurations
 
 # The vLLM fields `_LoadLogger.record` reads, by class.
 SCHEDULER_STATS_FIELDS = ("kv_cache_usage", "num_running_reqs", "num_waiting_reqs", "prefix_cache_stats")
-ITERATION_STATS_FIELDS = ("num_preempted_reqs",)
+ITERATION_STATS_FIELDS = ("num_preempted_reqs", "finished_requests")
+FINISHED_REQUEST_FIELDS = ("e2e_latency",)
 
 
 @dataclass
@@ -40,6 +42,9 @@ class EngineLoad:
     num_waiting: int = 0
     num_preemptions_total: int = 0
     prefix_hit_tokens_total: int = 0  # prompt tokens served from the prefix cache since start
+    # End-to-end seconds of the last finished requests: a pick-only router counts its picks
+    # as load for about as long as this engine's requests take (deployments.routing.pick_load).
+    recent_durations: RecentDurations = field(default_factory=RecentDurations)
 
 
 def check_stat_fields() -> None:
@@ -49,6 +54,8 @@ def check_stat_fields() -> None:
     iteration_fields = set(vars(IterationStats()))
     missing = [f"SchedulerStats.{name}" for name in SCHEDULER_STATS_FIELDS if name not in scheduler_fields]
     missing += [f"IterationStats.{name}" for name in ITERATION_STATS_FIELDS if name not in iteration_fields]
+    finished_fields = {f.name for f in dataclasses.fields(FinishedRequestStats)}
+    missing += [f"FinishedRequestStats.{name}" for name in FINISHED_REQUEST_FIELDS if name not in finished_fields]
     if missing:
         raise RuntimeError(
             f"this vLLM's stats lack {', '.join(missing)}: kvtide's router load and autoscaler input read them; "
@@ -69,6 +76,8 @@ class _LoadLogger(StatLoggerBase):
                 self.load.prefix_hit_tokens_total += int(prefix.hits)
         if iteration_stats is not None:
             self.load.num_preemptions_total += int(iteration_stats.num_preempted_reqs)
+            for finished in iteration_stats.finished_requests:
+                self.load.recent_durations.observe(finished.e2e_latency)
 
     def log_engine_initialized(self):
         pass

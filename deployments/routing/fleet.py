@@ -8,12 +8,14 @@ that payload implies is applied here, then, off the request path:
                                 load numbers → cached per replica
                                 a new report → this router's pick-only count restarts at 0, and
                                 the replica's prefill backlog restarts from the report
-                                (`deployments.routing.backlog`: drained at the engine's rate)
+                                (`deployments.routing.backlog`: drained at the engine's rate);
+                                its request durations → how long a pick counts
+                                (`deployments.routing.pick_load`)
                                 replicas no longer listed → forgotten (index, sessions)
     snapshots(in-flight counts) per decision: one ReplicaSnapshot per candidate, reused
                                 while the replica's numbers are unchanged; pick-only picks
-                                since the report add their load, and their booked prefill
-                                sits in the backlog
+                                since the report that have probably not finished add their
+                                load, and their booked prefill sits in the backlog
     digest_ages_s(now)          per replica: how old the newest applied digest is (telemetry:
                                 how stale the index's engine truth may be)
 
@@ -31,6 +33,7 @@ at a time; `forget` drops its queued digests and abandons one half applied.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import replace
@@ -48,6 +51,17 @@ from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
 # the total digest time without shortening that tail further. 16 is where the tail is short
 # and the overhead is not yet visible (benchmarks/results/router_microbench.md).
 DIGEST_SLICE_BLOCKS = 16
+
+
+def _durations(value: Any) -> tuple[float, ...]:
+    """An engine's reported request-duration quantiles (`RecentDurations.quantiles`); () if absent or malformed."""
+    if not isinstance(value, (list, tuple)):
+        return ()
+    try:
+        quantiles = tuple(sorted(float(q) for q in value))
+    except (TypeError, ValueError):
+        return ()
+    return quantiles if all(math.isfinite(q) and q >= 0 for q in quantiles) else ()
 
 
 def rekey(digest: CacheDigest, replica_id: str) -> CacheDigest:
@@ -84,7 +98,7 @@ class FleetView:
             if isinstance(digest, CacheDigest):
                 self._receive(rekey(digest, rid))
             reported_s = stats.get("reported_s")
-            new_report = self._picks.on_report(rid, reported_s)
+            new_report = self._picks.on_report(rid, reported_s, _durations(stats.get("request_durations_s")))
             reported = (int(stats.get("num_running", 0)), int(stats.get("num_waiting", 0)),
                         float(stats.get("kv_usage_perc", 0.0)), int(stats.get("pending_prefill_tokens", 0)),
                         float(stats.get("prefill_tokens_per_s", 0.0)))
@@ -159,7 +173,8 @@ class FleetView:
         return {rid: max(0.0, now_s - stamp_s) for rid, stamp_s in self._digest_s.items()}
 
     def book_pick(self, replica_id: str, uncached_tokens: int = 0, now_s: float | None = None) -> None:
-        """A pick-only choice (no request sent through Ray): count it as load until the next report.
+        """A pick-only choice (no request sent through Ray): count it as load until the next report
+        or until it has probably finished (`PickCounts.in_flight`).
 
         `uncached_tokens`: the prompt tokens the replica must prefill for it (the router's
         estimate at the pick). Until the engine reports it, a pick is work of one queued
@@ -169,10 +184,11 @@ class FleetView:
         land behind that prefill, and wait for it before its own first token. Not both: a short cold prompt must not
         cost its replica the affinity of the next request of the same prefix.
         """
+        now_s = time.time() if now_s is None else now_s
         extra = max(0, uncached_tokens - self.state.tunables.tokens_per_queued_request)
-        self._picks.book(replica_id)
+        self._picks.book(replica_id, now_s)
         if extra:
-            self._backlog.book(replica_id, extra, time.time() if now_s is None else now_s)
+            self._backlog.book(replica_id, extra, now_s)
 
     def snapshots(self, in_flight: Iterable[tuple[str, int | None]],
                   now_s: float | None = None) -> list[ReplicaSnapshot]:
@@ -182,11 +198,11 @@ class FleetView:
         """
         now_s = time.time() if now_s is None else now_s
         out = []
-        cache, picks, pending_tokens = self._snapshots, self._picks.picks, self._backlog.tokens
+        cache, picks_in_flight, pending_tokens = self._snapshots, self._picks.in_flight, self._backlog.tokens
         # Runs for every replica of every decision: a snapshot is rebuilt only when one of its
         # inputs changed, found by comparing them as one tuple.
         for rid, confirmed in in_flight:
-            key = (confirmed or 0, picks.get(rid, 0), pending_tokens(rid, now_s))
+            key = (confirmed or 0, picks_in_flight(rid, now_s), pending_tokens(rid, now_s))
             cached = cache.get(rid)
             if cached is None or cached[0] != key:
                 confirmed, unreported, pending = key

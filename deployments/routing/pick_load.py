@@ -3,19 +3,62 @@
 In direct mode a routing peer asks Ray Serve's router to name a replica
 (`choose_replica(..., _reserve=False)`) and HAProxy sends the request. Ray then neither
 probes queue lengths nor calls the router's `on_request_routed`, and its queue-length
-cache stays empty: every router must count its own picks. A pick counts as one request
-on its replica until that replica's next stats report (`record_routing_stats`, stamped
-`reported_s`), whose running + waiting numbers include it from then on.
+cache stays empty: every router must count its own picks. A pick is on its replica until
+that replica's next stats report (`record_routing_stats`, stamped `reported_s`), whose
+running + waiting numbers include it from then on, or until it has probably finished.
 
-    PickCounts     picks per replica since its last report (prefix_aware's FleetView books their
-                   prefill tokens in its backlog, `deployments.routing.backlog`)
-    PickOnlyLoad   max(picks since the report, reported running + waiting): the queue a
-                   load-balancing baseline (pow2, Ray's prefix router) compares in pick-only mode
+Why "probably finished": the router never sees a pick-only request end. Counted whole
+until the next report (up to a stats period, ~1 s), one client's sequential requests
+(each done in tens of milliseconds, a GPU's short hits) pile up as phantom load on the
+replica holding their prefix while a replica whose report just arrived counts none, and
+the load guard then sends the next one elsewhere: a cold prefill on an idle fleet. So a
+pick of age a counts as the chance that it is still running, the share of the replica's
+recent requests that took longer than a (`RecentDurations`, the engine's own end-to-end
+times, reported with its load). Summed over the picks since the report, that is their
+expected number in flight; with no finished request reported yet every pick counts whole.
+Under load, durations grow with the queue, and picks count for longer, so a burst
+between reports still steers picks.
+
+    RecentDurations  the engine side: the last requests' end-to-end seconds, reported as a
+                     few quantiles, each standing for an equal share of them
+    PickCounts       picks per replica since its last report, with their times: all of them
+                     (`picks`), or those probably still in flight (`in_flight`) (prefix_aware's
+                     FleetView books their prefill tokens in its backlog, `deployments.routing.backlog`)
+    PickOnlyLoad     max(picks since the report, reported running + waiting): the queue a
+                     load-balancing baseline (pow2, Ray's prefix router) compares in pick-only
+                     mode (Ray's own routers have no such estimate: the baselines keep the count)
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from bisect import bisect_right
+from collections import deque
+from typing import Any, Mapping, Sequence
+
+# Finished requests an engine keeps (the window the quantiles describe): enough that one
+# odd request moves a quantile little, few enough to follow a change of workload within
+# a few dozen requests.
+RECENT_REQUESTS = 64
+# Quantiles reported, at the middle of equal shares (12.5, 37.5, 62.5, 87.5 %): the router
+# sums, per pick, how many of them exceed its age.
+NUM_QUANTILES = 4
+
+
+class RecentDurations:
+    """End-to-end seconds of an engine's last `RECENT_REQUESTS` finished requests."""
+
+    def __init__(self, size: int = RECENT_REQUESTS) -> None:
+        self._seconds: deque[float] = deque(maxlen=size)
+
+    def observe(self, seconds: float) -> None:
+        self._seconds.append(max(0.0, float(seconds)))
+
+    def quantiles(self, num: int = NUM_QUANTILES) -> tuple[float, ...]:
+        """The middle of each of `num` equal shares of the recent durations, ascending; () before any."""
+        ordered = sorted(self._seconds)
+        if not ordered:
+            return ()
+        return tuple(ordered[min(len(ordered) - 1, int((k + 0.5) * len(ordered) / num))] for k in range(num))
 
 
 class PickCounts:
@@ -24,21 +67,41 @@ class PickCounts:
     def __init__(self) -> None:
         self.picks: dict[str, int] = {}  # read directly on the decision path
         self._reported_s: dict[str, Any] = {}
+        self._times: dict[str, list[float]] = {}  # replica → its picks' times since the report, ascending
+        self._durations: dict[str, Sequence[float]] = {}  # replica → RecentDurations.quantiles(), () unknown
 
-    def on_report(self, replica_id: str, reported_s: Any) -> bool:
+    def on_report(self, replica_id: str, reported_s: Any, durations_s: Sequence[float] = ()) -> bool:
         """A replica's stats arrived: if they are a new report (True), its picks are in its numbers now."""
+        self._durations[replica_id] = durations_s
         if reported_s == self._reported_s.get(replica_id):
             return False
         self._reported_s[replica_id] = reported_s
         self.picks[replica_id] = 0
+        self._times[replica_id] = []
         return True
 
-    def book(self, replica_id: str) -> None:
+    def book(self, replica_id: str, now_s: float = 0.0) -> None:
         self.picks[replica_id] = self.picks.get(replica_id, 0) + 1
+        self._times.setdefault(replica_id, []).append(now_s)
+
+    def in_flight(self, replica_id: str, now_s: float) -> int:
+        """The picks since the report expected to be running still at `now_s`, rounded to the nearest."""
+        times = self._times.get(replica_id)
+        if not times:
+            return 0
+        durations = self._durations.get(replica_id)
+        if not durations:
+            return len(times)
+        # A pick of age a is running with chance (quantiles above a) / (quantiles); the picks
+        # younger than a quantile q are those made after now − q.
+        if now_s - times[0] < durations[0]:  # every pick younger than every quantile: all running
+            return len(times)
+        running = sum(len(times) - bisect_right(times, now_s - q) for q in durations)
+        return (2 * running + len(durations)) // (2 * len(durations))
 
     def forget(self, replica_id: str) -> None:
-        self.picks.pop(replica_id, None)
-        self._reported_s.pop(replica_id, None)
+        for table in (self.picks, self._reported_s, self._times, self._durations):
+            table.pop(replica_id, None)
 
 
 class PickOnlyLoad:

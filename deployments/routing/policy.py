@@ -11,14 +11,16 @@ Algorithm, one decision:
     candidates   one entry per snapshot (replicas the router may use right now)
     match        index.match(hashes): longest cached prefix per replica, in blocks
     guard        load(r) = r.num_queued_requests  (reported running + waiting, + the router's
-                                                    pick-only picks since the report)
+                                                    pick-only picks since the report that
+                                                    have probably not finished)
                  pend(r) = r.pending_prefill_tokens  (prompt tokens accepted, not yet prefilled;
                                                       + the router's picks since the report,
                                                       drained at the engine's prefill rate)
                  work(r) = pend(r) + tokens_per_queued_request × load(r)           (tokens)
                  limit   = load_guard_factor × mean(work)
                            + load_guard_slack × tokens_per_queued_request + the prompt's tokens
-                           (with pend = 0 everywhere: load(r) > factor × mean(load) + slack)
+                           (with pend = 0 everywhere: load(r) > factor × mean(load) + slack
+                            + the prompt's tokens / tokens_per_queued_request)
                  over(r) = work(r) > limit
                            or (r.kv_usage_perc >= kv_usage_guard_perc and r holds < half the prompt)
     group        g = hash of the request's first replication_key_tokens (whole blocks)
@@ -58,16 +60,17 @@ their prefix as queues grow, each move a cold prefill that evicts another group 
 so the hit rate collapses as the load rises, far below what an oracle achieves. A queued hit costs ~100 tokens, a
 queued miss thousands; engines report the uncached tokens they have yet to prefill
 (`deployments.engine.pending_prefill`). Between reports (~1 s) a pick-only router adds its own
-picks (`FleetView.book_pick`): each is one queued request, and its uncached prompt tokens
-beyond one queued request's worth are pending prefill, until the next report includes
-them. Counting the larger of the two (not their sum) keeps a short cold prompt from
+picks (`FleetView.book_pick`): each is one queued request (while it has probably not
+finished, by the engine's recent request durations: `deployments.routing.pick_load`), and
+its uncached prompt tokens beyond one queued request's worth are pending prefill, until
+the next report includes them. Counting the larger of the two (not their sum) keeps a short cold prompt from
 costing its replica the next request of the same prefix, and with uncached_weight 2 a
 long one never does (its holder's booked N tokens against 2N elsewhere). The router
 cannot see a prefill end, so it drains the reported and booked tokens at the rate the
 engine reports for its own backlog (`deployments.routing.backlog`): a replica caught
 mid-prefill at its report stops repelling requests once that prefill would be done.
-Engines that report none and no booking (pend = 0 everywhere) give exactly the
-count-only guard.
+Engines that report none and no booking (pend = 0 everywhere) give the count-only
+guard, with the prompt's tokens in requests (÷ tokens_per_queued_request) as slack.
 
 Consequences, each pinned by a unit test:
 - Affinity never overrides the load guard: a replica holding the whole prefix (or
@@ -132,7 +135,9 @@ and why:
 - load_guard_factor = 1.25: the bounded-load constant c of consistent hashing with
   bounded loads; no replica takes more than 25 % above the mean for affinity's sake.
 - load_guard_slack = 2.0 (requests): keeps the guard from firing on noise at low load
-  (mean 1 → limit 3.25, not 1.25), where a queue of 2 costs less than a 2k prefill.
+  (mean 1 → limit 3.25 requests plus the prompt, not 1.25), where a queue of 2 costs less
+  than a 2k prefill. The prompt's own tokens are slack too (a 2k prompt: 8 requests), so
+  the guard never fires over one prompt's worth of work; past that, at any load.
 - tie_band_tokens = 512: two queued requests (tokens_per_queued_request = 256). Load views of
   routers on different nodes differ by their own recent picks, a request or two; within that,
   holders of the prefix tie and the owner takes the group. A 2k cold prompt's booking (~1,800
@@ -238,15 +243,13 @@ def rank_replicas(request_hashes: Sequence[BlockHash], block_size: int, snapshot
     per_request = tunables.tokens_per_queued_request
     num_blocks = len(request_hashes)
     pendings = [s.pending_prefill_tokens for s in snapshots]
-    if any(pendings):
-        # The guard weighs work in tokens: a replica with many cached (cheap) requests
-        # queued is less loaded than one with a few cold prefills. Work moves in steps of
-        # a prompt, so one prompt like this one is slack too: a report caught mid-prefill
-        # must not cost a replica its affinity at low load.
-        work = [pending + per_request * load for load, pending in zip(loads, pendings)]
-        work_limit = factor * (sum(work) / len(work)) + slack * per_request + num_blocks * block_size
-    else:
-        work, work_limit = loads, limit
+    # The guard weighs work in tokens: a replica with many cached (cheap) requests queued
+    # is less loaded than one with a few cold prefills. Work moves in steps of a prompt, so
+    # one prompt like this one is slack too: neither a report caught mid-prefill nor the
+    # picks a pick-only router still counts (finished or not) may cost a replica its
+    # affinity at low load.
+    work = [pending + per_request * load for load, pending in zip(loads, pendings)]
+    work_limit = factor * (sum(work) / len(work)) + slack * per_request + num_blocks * block_size
     if prefix_match is None:
         matched = index.match(request_hashes, now_s) if request_hashes else {}
     else:

@@ -81,7 +81,8 @@ class ReplicaSnapshot:
     # cannot see them finish: 0 of them is known (FleetView passes Ray's own count, 0 there).
     confirmed_ongoing_requests: int | None = None
     # Pick-only choices since the engine's report, which its running + waiting do not include
-    # yet: they queue on top of the reported load (direct mode; 0 elsewhere).
+    # yet, and probably not finished (`pick_load.PickCounts.in_flight`): they queue on top of
+    # the reported load (direct mode; 0 elsewhere).
     unreported_picks: int = 0
     # Requests ahead of a new one: whichever of the two views counts more (the engine's view
     # with the picks it has not reported yet). A field computed once, not a property: the

@@ -31,3 +31,17 @@ def test_load_logger_copies_the_latest_scheduler_view():
     logger.record(SchedulerStats(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.5), iteration)
     logger.record(SchedulerStats(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.25), iteration)
     assert (load.num_running, load.num_waiting, load.kv_usage_perc, load.num_preemptions_total) == (1, 0, 0.25, 4)
+
+
+def test_load_logger_keeps_the_finished_requests_durations():
+    """Each finished request's end-to-end seconds (vLLM's e2e_latency) reach the durations the router is sent."""
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats
+
+    load = EngineLoad()
+    logger = load_logger_factory(load)(None, 0)
+    iteration = IterationStats()
+    iteration.finished_requests = [FinishedRequestStats(FinishReason.LENGTH, e2e_latency=seconds)
+                                   for seconds in (0.4, 0.1, 0.3, 0.2)]
+    logger.record(None, iteration)
+    assert load.recent_durations.quantiles() == (0.1, 0.2, 0.3, 0.4)

@@ -54,7 +54,7 @@ def test_pick_table(loads, held, best, outcome):
 
 def test_affinity_yields_to_load_guard():
     """A replica holding the whole prefix but over factor × mean + slack ranks after every replica under it."""
-    loads = {"a": 20, "b": 10, "c": 10}  # mean 13.3 → limit 18.7
+    loads = {"a": 40, "b": 10, "c": 10}  # mean 20 → limit 25 + 2 + the 2,048-token prompt's 8 requests = 35
     d = decide(snaps(**loads), index_with(a=64))
     assert d.ranked[-1] == "a"
     assert d.outcome == "load_fallback" and d.matched_tokens == 0
@@ -62,8 +62,8 @@ def test_affinity_yields_to_load_guard():
 
 def test_load_guard_is_strict_even_with_huge_affinity_weight():
     """Even when cached tokens dwarf queue cost, an over-guard replica is never first."""
-    tune = RoutingConfig(tokens_per_queued_request=0.001)
-    d = decide(snaps(a=9, b=1), index_with(a=64), tunables=tune)  # mean 5 → limit 8.25
+    tune = RoutingConfig(uncached_weight=1000.0)  # the whole prompt cached: worth 8,000 queued requests
+    d = decide(snaps(a=30, b=1), index_with(a=64), tunables=tune)  # mean 15.5 → limit 19.4 + 2 + 8 = 29.4
     assert d.ranked == ["b", "a"]
 
 
@@ -87,6 +87,14 @@ def test_a_report_caught_mid_prefill_keeps_affinity():
     assert (d.ranked[0], d.outcome) == ("a", "cache_hit")
 
 
+def test_a_prompts_worth_of_queued_requests_keeps_affinity_with_no_prefill_reported():
+    """With no pending prefill anywhere the guard still has the prompt as slack: 9 queued (a pick-only
+    router's picks since the report, some of them finished) on the holder of a 2,048-token prompt, none
+    elsewhere, keep the prefix there (limit 1.25 × 4.5 + 2 + 8 = 15.6), but 30 do not."""
+    assert decide([ReplicaSnapshot("a", 9), ReplicaSnapshot("b", 0)], index_with(a=64)).ranked == ["a", "b"]
+    assert decide([ReplicaSnapshot("a", 30), ReplicaSnapshot("b", 0)], index_with(a=64)).ranked == ["b", "a"]
+
+
 def test_pending_prefill_counts_as_work_ahead():
     """At equal queue counts, the replica with fewer prompt tokens still to prefill wins (no cache anywhere)."""
     snapshots = [ReplicaSnapshot("a", 2, pending_prefill_tokens=12_000), ReplicaSnapshot("b", 2)]
@@ -96,16 +104,16 @@ def test_pending_prefill_counts_as_work_ahead():
 def test_cheap_queue_keeps_affinity_under_overload():
     """Many queued hits (little prefill) do not push a holder over the guard; a few cold prefills do.
 
-    The count-only guard (limit 1.25 × mean 10 + 2 = 14.5) puts `a`, with 16 queued, over it
-    and sends its prefix elsewhere; weighed in tokens, 16 cheap requests are less work than b's
-    and c's 7 cold 6k-token prefills each.
+    Counted in requests alone (limit 1.25 × mean 14.7 + 2 + the prompt's 8 = 28.3), `a`'s 30 queued
+    are over the guard and its prefix goes elsewhere; weighed in tokens, 30 cheap requests are
+    less work than b's and c's 7 cold 6k-token prefills each.
     """
-    snapshots = [ReplicaSnapshot("a", 16, pending_prefill_tokens=16 * 128),
+    snapshots = [ReplicaSnapshot("a", 30, pending_prefill_tokens=30 * 128),
                  ReplicaSnapshot("b", 7, pending_prefill_tokens=7 * 6_000),
                  ReplicaSnapshot("c", 7, pending_prefill_tokens=7 * 6_000)]
     d = decide(snapshots, index_with(a=64))
     assert (d.ranked[0], d.outcome) == ("a", "cache_hit")
-    count_only = [ReplicaSnapshot("a", 16), ReplicaSnapshot("b", 7), ReplicaSnapshot("c", 7)]
+    count_only = [ReplicaSnapshot("a", 30), ReplicaSnapshot("b", 7), ReplicaSnapshot("c", 7)]
     assert decide(count_only, index_with(a=64)).ranked[0] != "a"
 
 
@@ -225,9 +233,6 @@ def _reference_keys(fleet, index, now_s, sticky) -> list[tuple]:
     work = {s.replica_id: s.pending_prefill_tokens + per_request * s.num_queued_requests for s in fleet}
     limit = (TUNE.load_guard_factor * sum(work.values()) / len(fleet) + TUNE.load_guard_slack * per_request
              + len(PROMPT) * BS)
-    if not any(s.pending_prefill_tokens for s in fleet):  # the count-only guard, exactly
-        work = {s.replica_id: s.num_queued_requests for s in fleet}
-        limit = TUNE.load_guard_factor * sum(work.values()) / len(fleet) + TUNE.load_guard_slack
     matched = index.match(PROMPT, now_s)
     keyed = []
     for s in fleet:

@@ -95,8 +95,9 @@ def test_table_rejects_a_non_positive_ttl():
     ({"a": 0, "b": 0}, {"a": 64}, "b", "b", True),
     # ... and against a lighter one (a queue of 3 is within the guard: limit 1.25 × 1.5 + 2)
     ({"a": 0, "b": 3}, {}, "b", "b", True),
-    # over the guard, the session goes where the cost model says (mean 5 → limit 8.25)
-    ({"a": 1, "b": 9}, {"b": 64}, "b", "a", False),
+    # over the guard, the session goes where the cost model says (mean 15.5 → limit 19.4 + 2
+    # + the 2,048-token prompt's 8 requests = 29.4)
+    ({"a": 1, "b": 30}, {"b": 64}, "b", "a", False),
     # the session's replica is not a candidate any more: the cost model decides
     ({"a": 0, "c": 0}, {"c": 64}, "b", "c", False),
 ])
