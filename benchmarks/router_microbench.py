@@ -94,10 +94,12 @@ class _InFlight:
 
 
 def _load_report(rng: random.Random, reported_s: float) -> dict:
-    """An engine's load fields in its routing stats: some prefill pending, drained at an H200-like rate."""
+    """An engine's load fields in its routing stats: some prefill pending, drained at an H200-like rate, and
+    request durations of a second or two (so a pick counts for as long: `PickCounts.in_flight` runs in full)."""
     return {"num_running": max(0, round(rng.gauss(8, 3))), "num_waiting": max(0, round(rng.gauss(1, 1))),
             "kv_usage_perc": rng.uniform(0.3, 0.9), "pending_prefill_tokens": rng.randrange(0, 8192),
-            "prefill_tokens_per_s": 20_000.0, "reported_s": reported_s}
+            "prefill_tokens_per_s": 20_000.0, "reported_s": reported_s,
+            "request_durations_s": (0.4, 0.9, 1.5, 2.6)}
 
 
 class _Engines:

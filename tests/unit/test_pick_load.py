@@ -51,6 +51,24 @@ def test_a_pick_counts_as_the_share_of_recent_requests_that_took_longer_than_its
     assert counts.in_flight("a", now_s) == expected
 
 
+def test_the_kept_estimate_equals_one_computed_afresh_at_every_moment():
+    """The estimate kept between decisions (valid until a pick crosses a quantile's age) is what a fresh count gives."""
+    rng = random.Random(7)
+    durations = (0.05, 0.2, 0.3, 1.0)
+    kept, now_s, booked = PickCounts(), 0.0, []
+    kept.on_report("a", 0.0, durations)
+    for _ in range(2000):
+        now_s += rng.expovariate(40.0)
+        if rng.random() < 0.3:
+            kept.book("a", now_s)
+            booked.append(now_s)
+        fresh = PickCounts()
+        fresh.on_report("a", 0.0, durations)
+        for t in booked:
+            fresh.book("a", t)
+        assert kept.in_flight("a", now_s) == fresh.in_flight("a", now_s)
+
+
 BS = 16
 GROUP_A = block_hashes([1] + list(range(1800)), BS)
 GROUP_B = block_hashes([2] + list(range(1800)), BS)
