@@ -22,7 +22,7 @@ between reports still steers picks.
     RecentDurations  the engine side: the last requests' end-to-end seconds, reported as a
                      few quantiles, each standing for an equal share of them
     PickCounts       picks per replica since its last report, with their times: all of them
-                     (`picks`), or those probably still in flight (`in_flight`) (prefix_aware's
+                     (`count`), or those probably still in flight (`in_flight`) (prefix_aware's
                      FleetView books their prefill tokens in its backlog, `deployments.routing.backlog`)
     PickOnlyLoad     max(picks since the report, reported running + waiting): the queue a
                      load-balancing baseline (pow2, Ray's prefix router) compares in pick-only
@@ -66,7 +66,6 @@ class PickCounts:
     """Pick-only choices per replica since the replica's last stats report."""
 
     def __init__(self) -> None:
-        self.picks: dict[str, int] = {}  # read directly on the decision path
         self._reported_s: dict[str, Any] = {}
         self._times: dict[str, list[float]] = {}  # replica → its picks' times since the report, ascending
         self._durations: dict[str, Sequence[float]] = {}  # replica → RecentDurations.quantiles(), () unknown
@@ -83,15 +82,17 @@ class PickCounts:
         if reported_s == self._reported_s.get(replica_id):
             return False
         self._reported_s[replica_id] = reported_s
-        self.picks[replica_id] = 0
         self._times[replica_id] = []
         self._estimates.pop(replica_id, None)
         return True
 
     def book(self, replica_id: str, now_s: float = 0.0) -> None:
-        self.picks[replica_id] = self.picks.get(replica_id, 0) + 1
         self._times.setdefault(replica_id, []).append(now_s)
         self._estimates.pop(replica_id, None)
+
+    def count(self, replica_id: str) -> int:
+        """Every pick since the report, finished or not."""
+        return len(self._times.get(replica_id, ()))
 
     def in_flight(self, replica_id: str, now_s: float) -> int:
         """The picks since the report expected to be running still at `now_s`, rounded to the nearest."""
@@ -118,7 +119,7 @@ class PickCounts:
         return value
 
     def forget(self, replica_id: str) -> None:
-        for table in (self.picks, self._reported_s, self._times, self._durations, self._estimates):
+        for table in (self._reported_s, self._times, self._durations, self._estimates):
             table.pop(replica_id, None)
 
 
@@ -143,4 +144,4 @@ class PickOnlyLoad:
 
     def queued(self, replica_id: str) -> int:
         """Whichever view counts more: this router's picks since the report, or the report itself."""
-        return max(self.counts.picks.get(replica_id, 0), self._reported.get(replica_id, 0))
+        return max(self.counts.count(replica_id), self._reported.get(replica_id, 0))
