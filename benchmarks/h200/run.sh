@@ -42,6 +42,8 @@
 #                                              at two engines and differs only in when the second serves (seen:
 #                                              one 8B engine keeps the GPU busy at HIGH_RATE 6, so the second
 #                                              engine on it served the step worse, not better).
+#   bash benchmarks/h200/run.sh preload        Ray's worker preload of vLLM and a new replica's start (no GPU used;
+#                                              the node's 16 CPUs as Ray's) -> preload/report.md
 #   bash benchmarks/h200/run.sh start STAGES   run the stages in order in the background (one session's
 #                                              device time is a few device calls: the driver outlives a call).
 #                                              On a fresh machine this call first installs the wheels: 1-5 min
@@ -190,6 +192,11 @@ poll)  # poll SECONDS [PATTERN]: also stops the driver once PATTERN shows in a c
   tar czf "$OUT/results.tar.gz" --exclude='*.requests.jsonl' -C "$RES" .
   tar czf "$OUT/samples.tar.gz" -C "$RES" $(cd "$RES" && find . -name '*.requests.jsonl') 2>/dev/null
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
+  ;;
+preload)  # does a replica Serve adds find vLLM imported in its worker? (benchmarks/worker_preload.py)
+  mkdir -p "$RES/preload"
+  python3 -m kvtide.benchmarks.worker_preload --out-dir "$RES/preload" --num-cpus "$(nproc)" > "$RES/preload/run.log" 2>&1
+  echo "preload: exit $?" >> "$RES/driver-notes.txt"
   ;;
 routing)
   build_8b; leftovers routing
