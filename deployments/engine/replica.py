@@ -27,7 +27,8 @@ from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig, parse_config
 from kvtide.deployments.engine.core_pinning import EngineCorePin, engine_core_pids, engine_cores_exited
 from kvtide.deployments.engine.demo_model import resolve_model
-from kvtide.deployments.engine.placement import bound_cores, cpu_threads_bind, engine_kwargs
+from kvtide.deployments.engine.core_claims import CoreClaims, claim_threads_bind
+from kvtide.deployments.engine.placement import bound_cores, engine_kwargs
 from kvtide.autoscaling import roles_channel
 from kvtide.autoscaling.replica_stats import RecentTokens, replica_autoscaling_stats
 from kvtide.autoscaling.warm_start import fleet_view, plan_warmup
@@ -94,10 +95,12 @@ class EngineReplica:
         imported_s = time.time()
         self.config: KvtideConfig = parse_config(config_dict)
         self.replica_id = _replica_id()
+        # Held for the replica's life: its cores stay claimed while it runs (core_claims.py).
+        self.core_claims = CoreClaims()
         if self.config.resources.device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(
-                _replica_rank(), self.config.engine.tensor_parallel_size, sorted(os.sched_getaffinity(0))
-            )
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = claim_threads_bind(
+                _replica_rank(), self.config.engine.tensor_parallel_size, sorted(os.sched_getaffinity(0)),
+                self.core_claims)
         kwargs = engine_kwargs(self.config, resolve_model(self.config.model))
         # Cache truth for the router: vLLM publishes KV events on a per-replica IPC socket,
         # a listener thread folds them into a block set in kvtide hashes.

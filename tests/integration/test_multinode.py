@@ -24,6 +24,7 @@ The tests run in file order on one cluster; the last kills node 1.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
 import time
@@ -287,7 +288,7 @@ class Outcome:
 
 
 def test_losing_a_node_moves_its_replica_to_the_survivor_and_fails_no_request_sent_to_the_survivor(multinode):
-    """Node 1 killed under load: its replica returns on node 0; every request sent to node 0 after the kill succeeds."""
+    """Node 1 killed under load: its replica returns on node 0, on its least-used core; every request sent to node 0 after the kill succeeds."""
     ray.kill(multinode.placeholder)  # room on the head for the lost node's replica
     worker_node = multinode.cluster.nodes.nodes[1]
     outcomes: list[Outcome] = []
@@ -350,3 +351,25 @@ def test_losing_a_node_moves_its_replica_to_the_survivor_and_fails_no_request_se
     assert to_survivor_after and all(o.status == "200" for o in to_survivor_after), summary(to_survivor_after)
     assert all(o.status != "200" for o in to_dead_after), "nothing answers on a dead node's port"
     assert len(_replicas_reached(multinode.urls[0], "after-loss")) == ENGINES, "every replica on node 0 serves"
+    # The replacement bound the least-used core (deployments/engine/core_claims.py), not its rank's.
+    engines_per_core = Counter(core for pid in _engines_by_node()[multinode.head_id] for core in _bound_cores(pid))
+    assert max(engines_per_core.values()) - min(engines_per_core.get(c, 0) for c in os.sched_getaffinity(0)) <= 1, \
+        f"engines per core: {dict(engines_per_core)}"
+
+
+def _bound_cores(replica_pid: int) -> set[int]:
+    """The cores an engine replica's vLLM threads are bound to (each bound thread has a one-core affinity)."""
+    cores: set[int] = set()
+    for proc in psutil.Process(replica_pid).children(recursive=True):
+        try:
+            threads = proc.threads()
+        except psutil.Error:
+            continue
+        for thread in threads:
+            try:
+                affinity = os.sched_getaffinity(thread.id)
+            except OSError:
+                continue
+            if len(affinity) == 1:
+                cores |= affinity
+    return cores
