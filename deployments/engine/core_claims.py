@@ -1,8 +1,8 @@
 """Which cores a CPU engine binds: the least-used ones on the machine, whatever its rank.
 
-vLLM binds each CPU worker's OpenMP threads to one core. Engines bound to one core do far worse
-than share it evenly: each one's threads spin waiting for its others', so a replica starting on
-a serving engine's core may take many times its usual start. The replica's rank spreads engines
+vLLM binds each CPU worker's OpenMP threads to one core, and engines bound to one core take turns
+on it while other cores may idle: a replica starting on a serving engine's core starts, and then
+serves, at a fraction of its speed (OpenMP threads spin while they wait). The replica's rank spreads engines
 that start together (`placement.cpu_threads_bind`: rank r takes core r·tp mod n), but a rank does
 not say which cores are in use: Serve gives a replacement a fresh rank while the replica it
 replaces still holds its own (Serve releases a rank only once that replica has stopped), so a

