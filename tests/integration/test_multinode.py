@@ -12,9 +12,10 @@ among the holders takes it (routing.tie_band_tokens); with two replicas both hol
 alone decides.
 
 Load does not move a prompt off a replica holding it here (CACHE_FIRST_ROUTING): a pick-only
-routing peer counts each of its picks as load until the engine's next report (~1 s), finished or
-not, so even one request at a time moves a group to the other holder whenever one peer's recent
-picks outweigh the band, as often as the machine is fast. What these tests pin is what routing
+routing peer counts its picks since the engine's last report (~1 s) as load while they have
+probably not finished, an estimate from the engine's recent request durations, so one peer's
+recent picks can outweigh the band and move a group to the other holder, more often the faster
+the machine. What these tests pin is what routing
 peers that share no state agree on from the engines' digests; the load guard, the band and
 replication are pinned by the policy's unit tables.
 
