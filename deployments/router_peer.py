@@ -76,7 +76,12 @@ class RouterPeer:
         # HAProxy sets these headers on the request it forwards: the replica skips tokenizing
         # and hashing, and learns what the router expected it to have cached.
         room_bytes = self.buffer_bytes - len(body) - HEADER_HEADROOM_BYTES
-        return {"replica_id": replica_id, "request_headers": route_headers(self.prompts, token_ids, key, room_bytes)}
+        try:
+            headers = route_headers(self.prompts, token_ids, key, room_bytes)
+        except Exception as exc:  # a bug on some input costs the replica a tokenization, never the request
+            logger.warning("routing headers failed (%s); the replica tokenizes the request itself", type(exc).__name__)
+            headers = {}
+        return {"replica_id": replica_id, "request_headers": headers}
 
     async def hot_prefixes(self, limit: int = 32) -> list[tuple[list[int], float]]:
         """Handle method (not HTTP): shared prefixes a new engine replica should prefill."""

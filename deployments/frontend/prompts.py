@@ -252,7 +252,11 @@ class PromptBuilder:
                 token_ids = self.text_tokens(prompt) if isinstance(prompt, str) else list(prompt)
         except Exception:  # anything vLLM would refuse, it refuses itself on the replica
             return None
-        return Prompt(request, token_ids, 0) if token_ids else None
+        # A token-id prompt is the client's list as sent: route it only if it is token ids of this
+        # vocabulary (the routed-tokens header packs them as uint32); vLLM answers the rest with a 400.
+        if not token_ids or not all(type(t) is int and 0 <= t < self.vocab_size for t in token_ids):
+            return None
+        return Prompt(request, token_ids, 0)
 
     def parse(self, data: Any, model_cls: type[BaseModel], endpoint: str) -> Any:
         """A parsed body validated as `model_cls`: 400 naming the bad or unhonoured field, 404 for another

@@ -220,3 +220,29 @@ def test_the_peer_deployment_logs_no_access_line_per_consult():
 
     deployment = serve.deployment(RouterPeer).options(**router_peer_options(CONFIG))
     assert deployment._deployment_config.logging_config["enable_access_log"] is False
+
+
+def test_the_peer_still_picks_a_replica_when_its_routing_headers_fail(monkeypatch):
+    """route(): headers that cannot be built (a bug on some input) leave the answer without them, with its pick:
+    HAProxy would answer the client a bare 503 for a failed consult."""
+    import kvtide.deployments.router_peer as router_peer
+
+    def broken(*args, **kwargs):
+        raise TypeError("unpackable token id")
+
+    monkeypatch.setattr(router_peer, "route_headers", broken)
+    prompts = PromptBuilder(CONFIG, FakeTokenizer())
+
+    async def scenario():
+        router = PrefixAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(block_size=BS, seed=0)
+        replicas = [FakeReplica("a")]
+        router.update_replicas(replicas)
+        peer = SimpleNamespace(prompts=prompts, prompt_pool=None, block_size=BS, buffer_bytes=CONFIG.http.router_buffer_bytes,
+                               routing=PromptRouting(CONFIG, prompts.tokenizer, HotPrefixTracker(BS)),
+                               engine=RouterHandle(router, replicas))
+        return await RouterPeer.route(peer, BODY)
+
+    answer = asyncio.run(scenario())
+    assert answer["replica_id"].endswith("#a") and answer["request_headers"] == {}
+

@@ -252,19 +252,35 @@ def test_any_json_body_is_classified_without_raising():
                                  frozenset({"sql"}))
 
 
+TOKEN_JUNK = [[[True, None]], [1, None], [[5, "x"]], [-1], [2 ** 32], [1.5], {"a": 1}, [[]]]
+
+
 def test_the_routing_prompt_of_any_json_body_is_a_prompt_or_none():
-    """The routing peer's prompt of a junk body is None (routed by load), never an exception."""
+    """The routing peer's prompt of a junk body is None (routed by load), never an exception; a prompt it
+    returns is token ids it can send on (the routed-tokens header packs them as uint32)."""
+    from fakes import FakeTokenizer
+
+    from kvtide.deployments.frontend.prompts import PromptBuilder, encode_token_ids
+
+    prompts = PromptBuilder(parse_config({"model": "/m", "served_model_name": "m",
+                                          "lora": {"adapters": {"sql": "/a"}}}), FakeTokenizer())
+    for value in JUNK + TOKEN_JUNK:
+        for body in ({"model": value, "messages": [{"role": value, "content": value}], "tools": value},
+                     {"model": "sql", "prompt": value, "echo": True}, {"messages": value, "logprobs": True},
+                     {"model": "m", "prompt": value, "logprobs": 1}):
+            prompt = prompts.routing_prompt(json.dumps(body).encode())
+            assert prompt is None or (prompt.token_ids and encode_token_ids(prompt.token_ids)), body
+
+
+def test_a_token_id_prompt_for_vllms_layer_routes_on_its_ids():
+    """A valid token-id prompt vLLM's layer answers (echo) is routed on its ids, as sent."""
     from fakes import FakeTokenizer
 
     from kvtide.deployments.frontend.prompts import PromptBuilder
 
-    prompts = PromptBuilder(parse_config({"model": "/m", "served_model_name": "m",
-                                          "lora": {"adapters": {"sql": "/a"}}}), FakeTokenizer())
-    for value in JUNK:
-        for body in ({"model": value, "messages": [{"role": value, "content": value}], "tools": value},
-                     {"model": "sql", "prompt": value, "echo": True}, {"messages": value, "logprobs": True}):
-            prompt = prompts.routing_prompt(json.dumps(body).encode())
-            assert prompt is None or prompt.token_ids
+    prompts = PromptBuilder(parse_config({"model": "/m", "served_model_name": "m"}), FakeTokenizer())
+    prompt = prompts.routing_prompt(json.dumps({"model": "m", "prompt": [5, 6, 7], "echo": True}).encode())
+    assert prompt.token_ids == [5, 6, 7]
 
 
 def test_the_model_label_is_an_adapter_or_the_base_model_never_a_client_string():
