@@ -25,7 +25,7 @@ import httpx
 import psutil
 import pytest
 import ray
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from ray import serve
 from kvtide.deployments.engine.core_pinning import ENGINE_CORE_TITLE
@@ -45,6 +45,9 @@ DEADLINE_S = 4
 WARM_PROMPT_TOKENS = 3500
 SOAK_REQUESTS = 2000
 FUZZ_CONCURRENCY = 16
+# The fuzz cases' seed, fixed: Hypothesis's derandomized seed follows the source around the test, so any
+# edit nearby drew a new set of cases and could surface an old bug in an unrelated change's CI run.
+FUZZ_SEED = 7
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -181,7 +184,8 @@ def test_fuzzed_requests_never_get_a_5xx_or_hang(cluster):
 
     # Hypothesis only generates (no shrinking phase); the requests go out afterwards, FUZZ_CONCURRENCY
     # at a time, as clients would send them: the same 1,000 cases in a fraction of the serial time.
-    @settings(max_examples=1000, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
+    @seed(FUZZ_SEED)
+    @settings(max_examples=1000, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
     @given(_request(cluster.model_name))
     def collect(case):
