@@ -252,7 +252,7 @@ def test_any_json_body_is_classified_without_raising():
                                  frozenset({"sql"}))
 
 
-TOKEN_JUNK = [[[True, None]], [1, None], [[5, "x"]], [-1], [2 ** 32], [1.5], {"a": 1}, [[]]]
+TOKEN_JUNK = [[[True, None]], [[1, None], [2]], [1, None], [[5, "x"]], [-1], [2 ** 32], [1.5], {"a": 1}, [[]]]
 
 
 def test_the_routing_prompt_of_any_json_body_is_a_prompt_or_none():
