@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from kvtide.deployments.engine.placement import core_preference
+from kvtide.deployments.engine.placement import core_preference, cpu_threads_bind
 from kvtide.deployments.logs import replica_logger
 
 logger = replica_logger("engine")
@@ -105,7 +105,7 @@ def claim_threads_bind(replica_rank: int, tensor_parallel_size: int, available_c
     except OSError as exc:  # the claims directory unusable: bind by rank alone
         logger.warning("cannot claim CPU cores in %s (%s): binding by replica rank", claims.claims_dir, exc)
         claims.release()
-        cores = choose_cores(preference, tensor_parallel_size, lambda core, slot: False)
+        return cpu_threads_bind(replica_rank, tensor_parallel_size, available_cores)
     shared = [(core, slot) for core, slot in claims.held if slot > 0]
     if shared:
         logger.warning("CPU cores shared with other engines on this machine (core, engines before this one): %s", shared)

@@ -64,6 +64,22 @@ class RouterHandle:
         yield SimpleNamespace(_replica=ranks[0][0])
 
 
+def _stand_in_peer(prompts, router, replicas, *, pool=None, buffer_bytes=CONFIG.http.router_buffer_bytes):
+    """What RouterPeer.route reads of `self`, its engine handle running `router` over `replicas`."""
+    return SimpleNamespace(prompts=prompts, prompt_pool=pool, block_size=BS, buffer_bytes=buffer_bytes,
+                           routing=PromptRouting(CONFIG, prompts.tokenizer, HotPrefixTracker(BS)),
+                           engine=RouterHandle(router, replicas))
+
+
+def _one_replica_router() -> tuple[PrefixAwareRouter, list[FakeReplica]]:
+    """A prefix-aware router over one replica, "a", with no digest."""
+    router = PrefixAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(block_size=BS, seed=0)
+    replicas = [FakeReplica("a")]
+    router.update_replicas(replicas)
+    return router, replicas
+
+
 @pytest.mark.parametrize("threads", [0, 2], ids=["on-the-loop", "tokenize-threads"])
 def test_the_peer_answers_with_the_routers_prediction_for_its_pick(threads):
     """route(): the replica the router picked, the token ids with their block hashes, and a prediction header
@@ -81,10 +97,7 @@ def test_the_peer_answers_with_the_routers_prediction_for_its_pick(threads):
         replicas = [FakeReplica("a"), FakeReplica("b", {"digest": digest, "reported_s": 1.0})]
         router.update_replicas(replicas)
         await settle_digest_slices(router)  # the digest's slices run on the next loop turns
-        peer = SimpleNamespace(prompts=prompts, prompt_pool=pool, block_size=BS, buffer_bytes=CONFIG.http.router_buffer_bytes,
-                               routing=PromptRouting(CONFIG, prompts.tokenizer, HotPrefixTracker(BS)),
-                               engine=RouterHandle(router, replicas))
-        return await RouterPeer.route(peer, BODY)
+        return await RouterPeer.route(_stand_in_peer(prompts, router, replicas, pool=pool), BODY)
 
     answer = asyncio.run(scenario())
     assert answer["replica_id"].endswith("#b")
@@ -126,14 +139,8 @@ def test_the_peer_sends_no_token_ids_for_a_body_that_fills_haproxys_buffer():
     prompts = PromptBuilder(CONFIG, FakeTokenizer())
 
     async def scenario(buffer_bytes):
-        router = PrefixAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
-        router.initialize_state(block_size=BS, seed=0)
-        replicas = [FakeReplica("a")]
-        router.update_replicas(replicas)
-        peer = SimpleNamespace(prompts=prompts, prompt_pool=None, block_size=BS, buffer_bytes=buffer_bytes,
-                               routing=PromptRouting(CONFIG, prompts.tokenizer, HotPrefixTracker(BS)),
-                               engine=RouterHandle(router, replicas))
-        return await RouterPeer.route(peer, BODY)
+        router, replicas = _one_replica_router()
+        return await RouterPeer.route(_stand_in_peer(prompts, router, replicas, buffer_bytes=buffer_bytes), BODY)
 
     assert ROUTED_TOKENS_HEADER in asyncio.run(scenario(HEADER_HEADROOM_BYTES + len(BODY) + 1024))["request_headers"]
     assert ROUTED_TOKENS_HEADER not in asyncio.run(scenario(HEADER_HEADROOM_BYTES + len(BODY)))["request_headers"]
@@ -234,14 +241,8 @@ def test_the_peer_still_picks_a_replica_when_its_routing_headers_fail(monkeypatc
     prompts = PromptBuilder(CONFIG, FakeTokenizer())
 
     async def scenario():
-        router = PrefixAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
-        router.initialize_state(block_size=BS, seed=0)
-        replicas = [FakeReplica("a")]
-        router.update_replicas(replicas)
-        peer = SimpleNamespace(prompts=prompts, prompt_pool=None, block_size=BS, buffer_bytes=CONFIG.http.router_buffer_bytes,
-                               routing=PromptRouting(CONFIG, prompts.tokenizer, HotPrefixTracker(BS)),
-                               engine=RouterHandle(router, replicas))
-        return await RouterPeer.route(peer, BODY)
+        router, replicas = _one_replica_router()
+        return await RouterPeer.route(_stand_in_peer(prompts, router, replicas), BODY)
 
     answer = asyncio.run(scenario())
     assert answer["replica_id"].endswith("#a") and answer["request_headers"] == {}
