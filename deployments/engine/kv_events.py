@@ -1,7 +1,7 @@
 """Subscribe to this replica's own vLLM KV events and keep its `KvCacheTracker` current.
 
 vLLM's engine core (a child process of the replica) publishes `KVEventBatch`es on a
-ZMQ PUB socket bound to a per-replica IPC endpoint; a daemon thread here receives and
+ZMQ PUB socket bound to a per-replica IPC endpoint (`new_ipc_endpoint`); a daemon thread here receives and
 decodes them and applies each event to the tracker under a lock. The replica reads a
 digest from the tracker in `record_routing_stats`.
 
@@ -12,8 +12,6 @@ cannot starve request handling (decoding releases the GIL in msgspec).
 
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
 import uuid
 
@@ -27,8 +25,13 @@ _RECV_TIMEOUT_MS = 200
 
 
 def new_ipc_endpoint() -> str:
-    """A fresh IPC endpoint under the temp dir (unique per replica; short enough for sun_path)."""
-    return f"ipc://{os.path.join(tempfile.gettempdir(), f'kvtide-kv-{uuid.uuid4().hex[:12]}')}"
+    """A fresh IPC endpoint, unique per replica, in Linux's abstract socket namespace.
+
+    An abstract name has no file: the kernel frees it when the binding engine core exits,
+    however it exits. A path under the temp dir outlived every engine core that was killed
+    (a lost node, a failed health check, a cluster stopped), one file each.
+    """
+    return f"ipc://@kvtide-kv-{uuid.uuid4().hex[:12]}"
 
 
 class KvEventListener:
