@@ -1,6 +1,9 @@
 """The OpenAI-compatible HTTP app: routes, API-key check, OpenAI-shaped errors.
 
     POST /v1/completions, /v1/chat/completions   (stream or not)   API key when keys are set
+    POST /v1/responses, /v1/messages  (vLLM's layer answers them)    API key when keys are set
+    POST /v1/messages/count_tokens, GET /v1/responses/{id},
+         POST /v1/responses/{id}/cancel  (vLLM's layer)               API key when keys are set
     GET  /v1/models, /v1/models/{id}                                 API key when keys are set
     POST /tokenize, /detokenize   (vLLM's shapes)                    API key when keys are set
     GET  /version                 (the serving vLLM's version)        open
@@ -11,8 +14,8 @@ Every /v1 route hangs off one APIRouter whose dependency checks the key, so a ro
 later cannot skip it (a unit test enumerates the app's routes). Unknown paths (404) and
 wrong methods (405) answer in OpenAI's error shape too.
 
-The two generation POSTs are dispatched ahead of FastAPI (`OpenAIApp`): each is on a client's
-TTFT, which FastAPI's routing, dependency solving and middleware stack would lengthen. They
+The generation POSTs (GENERATION_ROUTES) are dispatched ahead of FastAPI (`OpenAIApp`): each is
+on a client's TTFT, which FastAPI's routing, dependency solving and middleware stack would lengthen. They
 take the same key check (`_authorize`) and the same handler; every other request (GETs,
 other paths and methods, a trailing slash) is FastAPI's.
 
@@ -67,7 +70,8 @@ class _Unauthorized(Exception):
 
 
 # POST path -> the frontend's endpoint name.
-GENERATION_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+GENERATION_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
+                     "/v1/responses": "responses", "/v1/messages": "messages"}
 
 
 def _authorize(api_keys: ApiKeys, request: Request) -> None:
@@ -147,6 +151,28 @@ def build_openai_app(frontend: OpenAIFrontend, api_keys: ApiKeys,
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
         return await frontend.handle(request, "chat")
+
+    # vLLM's Responses API and Anthropic's Messages API: vLLM's layer answers them (vllm_layer.py),
+    # with kvtide's admission, deadline and metrics around the generating POSTs.
+    @v1.post("/responses")
+    async def responses(request: Request) -> Any:
+        return await frontend.handle(request, "responses")
+
+    @v1.get("/responses/{response_id}")
+    async def response_retrieve(request: Request) -> Any:
+        return await frontend.vllm_passthrough(request, "responses")
+
+    @v1.post("/responses/{response_id}/cancel")
+    async def response_cancel(request: Request) -> Any:
+        return await frontend.vllm_passthrough(request, "responses")
+
+    @v1.post("/messages")
+    async def messages(request: Request) -> Any:
+        return await frontend.handle(request, "messages")
+
+    @v1.post("/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> Any:
+        return await frontend.vllm_passthrough(request, "messages")
 
     @v1.get("/models")
     async def models() -> Any:

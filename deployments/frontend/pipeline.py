@@ -65,7 +65,8 @@ from kvtide.deployments.routing.trust import (
     write_prediction,
 )
 from kvtide.deployments.frontend.sse import DONE, ChunkRenderer, error_event
-from kvtide.deployments.frontend.vllm_layer import VllmLayerResponse, refuse_prompt_logprobs, vllm_layer_field
+from kvtide.deployments.frontend.vllm_layer import (FIRST_TOKEN_MARKERS, VLLM_ONLY_ENDPOINTS, VllmLayerResponse,
+                                                    refuse_prompt_logprobs, vllm_layer_field)
 
 logger = replica_logger("frontend")
 
@@ -172,10 +173,14 @@ class OpenAIFrontend:
         try:
             body = await self.prompts.read_body(request)
             data = parse_json_body(body)
-            if self.vllm_app is not None and (self.vllm_answers_all
+            vllm_only = endpoint in VLLM_ONLY_ENDPOINTS
+            if self.vllm_app is None and vllm_only:
+                raise unavailable_error(self.limits)  # no engine's layer yet: retry
+            if self.vllm_app is not None and (vllm_only or self.vllm_answers_all
                                               or vllm_layer_field(data, endpoint, self.prompts.adapters)):
-                self.prompts.check_common_fields(data, endpoint)
-                refuse_prompt_logprobs(data, endpoint, self.refuses_prompt_logprobs)
+                if not vllm_only:  # fields kvtide's path takes too: the same input gets the same answer
+                    self.prompts.check_common_fields(data, endpoint)
+                    refuse_prompt_logprobs(data, endpoint, self.refuses_prompt_logprobs)
                 streaming = True  # the response holds the ticket until it ends
                 return self.via_vllm(body, endpoint, ticket, deadline,
                                      model=served_model(data, self.model_name, self.prompts.adapters),
@@ -199,6 +204,13 @@ class OpenAIFrontend:
         finally:
             if not streaming:  # a stream's body releases the gate when it ends
                 ticket.release()
+
+    async def vllm_passthrough(self, request: Any, endpoint: str) -> Any:
+        """A request of vLLM's that generates nothing (counting a message's tokens, a stored
+        response), answered by its layer: no admission ticket, not in the request metrics."""
+        if self.vllm_app is None:
+            return error_response(unavailable_error(self.limits))
+        return self.via_vllm(await self.prompts.read_body(request), endpoint, counted=False)
 
     def via_vllm(self, body: bytes, endpoint: str, ticket: _Ticket | None = None,
                  deadline: Deadline | None = None, counted: bool = True, model: str | None = None,
@@ -231,7 +243,7 @@ class OpenAIFrontend:
         response = VllmLayerResponse(self.vllm_app, body, deadline.remaining_s(time.monotonic()) if deadline else None,
                                      timeout_error(self.limits, "finish"), on_done,
                                      {"x-kvtide-replica": self.replica_id} if self.replica_id else None,
-                                     on_first_chunk)
+                                     on_first_chunk, FIRST_TOKEN_MARKERS.get(endpoint))
         if ticket is not None:  # a response the server drops without calling it still frees its slot
             weakref.finalize(response, ticket.release)
         return response

@@ -85,6 +85,14 @@ def vllm_layer_field(data: Any, endpoint: str, adapters: frozenset[str] = frozen
     return None
 
 
+# vLLM's Responses API (POST /v1/responses) and Anthropic's Messages API (POST /v1/messages):
+# kvtide's path implements neither, so vLLM's layer answers every such request whole.
+VLLM_ONLY_ENDPOINTS = frozenset({"responses", "messages"})
+# Where a stream opens with events sent before any token (response.created, message_start),
+# the bytes of the first event that carries generated output: the time to first token is
+# taken there. Any Responses delta (text, reasoning, a tool call's arguments) is output.
+FIRST_TOKEN_MARKERS = {"responses": b'.delta"', "messages": b'"content_block_delta"'}
+
 _BOOL = TypeAdapter(bool)
 
 
@@ -139,14 +147,15 @@ class VllmLayerResponse(Response):
     `on_done(status)` runs exactly once when the response ends, however it ends (vLLM's status;
     504 past the deadline; 499 when the client left first). `on_first_chunk()` runs when a
     stream's first event goes out: vLLM sends it with the first generated token, so it marks
-    the client's time to first token.
+    the client's time to first token; with `first_token_marker`, the first event holding those
+    bytes does (FIRST_TOKEN_MARKERS).
     """
 
     def __init__(self, app: Any, body: bytes, timeout_s: float | None, timeout_error: ApiError,
                  on_done: Callable[[int], None], extra_headers: dict[str, str] | None = None,
-                 on_first_chunk: Callable[[], None] = lambda: None):
+                 on_first_chunk: Callable[[], None] = lambda: None, first_token_marker: bytes | None = None):
         super().__init__()
-        self.on_first_chunk = on_first_chunk
+        self.on_first_chunk, self.first_token_marker = on_first_chunk, first_token_marker
         self.app, self.body, self.timeout_s = app, body, timeout_s
         self.timeout_error, self.on_done = timeout_error, on_done
         self.extra_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (extra_headers or {}).items()]
@@ -169,7 +178,8 @@ class VllmLayerResponse(Response):
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), *self.extra_headers]}
                 started.update(message)
-            elif first_chunk and message.get("body") and message.get("more_body"):  # a stream's first event
+            elif first_chunk and message.get("body") and message.get("more_body") and (  # a stream's event
+                    self.first_token_marker is None or self.first_token_marker in message["body"]):
                 first_chunk = False
                 self.on_first_chunk()
             await send(message)

@@ -187,16 +187,80 @@ def _request(draw, model: str):
     return endpoint, json.dumps(body).encode()
 
 
-def test_fuzzed_requests_never_get_a_5xx_or_hang(cluster):
-    """1,000+ generated requests (valid, junk-typed, malformed): every answer is < 500, in time, with an OpenAI body."""
+@st.composite
+def _vllm_api_request(draw, model: str):
+    """A request to vLLM's Responses or Messages API, half with junk fields, raw bytes or non-objects."""
+    endpoint = draw(st.sampled_from(["/v1/responses", "/v1/messages"]))
+    junk = draw(st.booleans())
+
+    def value(valid, bad):
+        return draw(bad if junk and draw(st.integers(0, 3)) == 0 else valid)
+
+    body: dict = {"model": value(st.just(model), _json), "stream": value(st.booleans(), _json),
+                  "temperature": value(st.floats(0, 1), _json)}
+    if endpoint == "/v1/responses":
+        body["input"] = value(st.text(min_size=1, max_size=200) | _valid_messages, _junk_messages)
+        body["max_output_tokens"] = value(_small_tokens, _junk_tokens)
+        optional = {"instructions": (st.text(max_size=80), _json), "store": (st.booleans(), _json),
+                    "previous_response_id": (st.text(max_size=20), _json),
+                    "text": (st.just({"format": {"type": "json_object"}}), _json)}
+    else:
+        body["messages"] = value(st.lists(st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant"]), "content": st.text(min_size=1, max_size=200)}),
+            min_size=1, max_size=4), _junk_messages)
+        body["max_tokens"] = value(_small_tokens, _junk_tokens)
+        optional = {"system": (st.text(max_size=80), _json),
+                    "stop_sequences": (st.lists(st.text(min_size=1, max_size=8), max_size=3), _json),
+                    "tools": (st.lists(st.fixed_dictionaries({"name": st.from_regex(r"[a-z_]{1,12}", fullmatch=True),
+                                                              "input_schema": st.just({"type": "object"})}),
+                                       min_size=1, max_size=2), _json)}
+    for name, (valid, bad) in optional.items():
+        if draw(st.booleans()):
+            body[name] = value(valid, bad)
+    kind = draw(st.sampled_from(["json"] * 18 + ["raw", "not_object"])) if junk else "json"
+    if kind == "raw":
+        return endpoint, draw(st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
+    if kind == "not_object":
+        return endpoint, json.dumps(draw(_json)).encode()
+    return endpoint, json.dumps(body).encode()
+
+
+def _openai_answer_problem(resp: httpx.Response) -> str | None:
+    """What is wrong with a completions or chat answer's body (an error's shape, a stream's end), or None."""
+    if resp.status_code >= 400 and set(resp.json()["error"]) != {"message", "type", "param", "code"}:
+        return "not an OpenAI error body"
+    if resp.headers.get("content-type", "").startswith("text/event-stream") and \
+            not resp.text.rstrip().endswith("data: [DONE]"):
+        return "stream without [DONE]"
+    return None
+
+
+# The last event of a Responses or Messages stream, however the generation ended.
+_FINAL_EVENTS = {"response.completed", "response.incomplete", "response.failed", "message_stop", "error"}
+
+
+def _vllm_api_answer_problem(resp: httpx.Response) -> str | None:
+    """What is wrong with a Responses or Messages answer's body, or None: an error carries an `error`
+    object (OpenAI's shape, or Anthropic's on /v1/messages), a stream ends with its final event."""
+    if resp.status_code >= 400 and not isinstance(resp.json().get("error"), dict):
+        return "no error object"
+    if resp.headers.get("content-type", "").startswith("text/event-stream"):
+        events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+        if not events or json.loads(events[-1]).get("type") not in _FINAL_EVENTS:
+            return "stream without its final event"
+    return None
+
+
+def _fuzz(cluster, strategy, num_cases: int, answer_problem) -> Counter:
+    """Send `num_cases` requests drawn from `strategy`, FUZZ_CONCURRENCY at a time, as clients would:
+    none may get a 5xx, hang past CLIENT_TIMEOUT_S or be cut, and `answer_problem` must pass each
+    answer. Hypothesis only generates (no shrinking phase), from a fixed seed. Returns the statuses."""
     cases: list[tuple[str, bytes]] = []
 
-    # Hypothesis only generates (no shrinking phase); the requests go out afterwards, FUZZ_CONCURRENCY
-    # at a time, as clients would send them: the same 1,000 cases in a fraction of the serial time.
     @seed(FUZZ_SEED)
-    @settings(max_examples=1000, deadline=None, database=None, phases=[Phase.generate],
+    @settings(max_examples=num_cases, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(_request(cluster.model_name))
+    @given(strategy(cluster.model_name))
     def collect(case):
         cases.append(case)
 
@@ -213,13 +277,9 @@ def test_fuzzed_requests_never_get_a_5xx_or_hang(cluster):
         except httpx.HTTPError as exc:  # a hang past CLIENT_TIMEOUT_S, or a cut: name the request
             return 0, f"{type(exc).__name__} for {endpoint} {content[:300]!r}"
         if resp.status_code >= 500:
-            return resp.status_code, f"{resp.status_code} for {content[:300]!r}: {resp.text[:300]}"
-        if resp.status_code >= 400 and set(resp.json()["error"]) != {"message", "type", "param", "code"}:
-            return resp.status_code, f"not an OpenAI error body for {content[:300]!r}: {resp.text[:300]}"
-        if resp.headers.get("content-type", "").startswith("text/event-stream") and \
-                not resp.text.rstrip().endswith("data: [DONE]"):
-            return resp.status_code, f"stream without [DONE] for {content[:300]!r}: {resp.text[-200:]}"
-        return resp.status_code, None
+            return resp.status_code, f"{resp.status_code} for {endpoint} {content[:300]!r}: {resp.text[:300]}"
+        problem = answer_problem(resp)
+        return resp.status_code, problem and f"{problem} for {endpoint} {content[:300]!r}: {resp.text[-300:]}"
 
     try:
         with ThreadPoolExecutor(FUZZ_CONCURRENCY) as pool:
@@ -228,13 +288,25 @@ def test_fuzzed_requests_never_get_a_5xx_or_hang(cluster):
         client.close()
     statuses = Counter(status for status, _ in answers)
     problems = [problem for _, problem in answers if problem]
-    total = sum(statuses.values())
-    print(f"\nfuzz: {total} requests in {time.monotonic() - started:.0f} s, statuses {dict(sorted(statuses.items()))}")
+    print(f"\nfuzz: {len(answers)} requests in {time.monotonic() - started:.0f} s, "
+          f"statuses {dict(sorted(statuses.items()))}")
     assert problems == []
-    assert total >= 1000
+    assert sum(statuses.values()) >= num_cases
+    assert httpx.get(cluster.base_url + "/health", timeout=10).status_code == 200
+    return statuses
+
+
+def test_fuzzed_requests_never_get_a_5xx_or_hang(cluster):
+    """1,000+ generated requests (valid, junk-typed, malformed): every answer is < 500, in time, with an OpenAI body."""
+    statuses = _fuzz(cluster, _request, 1000, _openai_answer_problem)
     assert statuses[200] >= 200, "the generator must also produce requests the server accepts"
-    ok = httpx.get(cluster.base_url + "/health", timeout=10)
-    assert ok.status_code == 200
+
+
+def test_fuzzed_responses_and_messages_requests_never_get_a_5xx_or_hang(cluster):
+    """300 generated Responses and Messages API requests (valid, junk-typed, malformed), answered by vLLM's layer:
+    every answer is < 500, in time, with an error object or a stream's final event."""
+    statuses = _fuzz(cluster, _vllm_api_request, 300, _vllm_api_answer_problem)
+    assert statuses[200] >= 50, "the generator must also produce requests the server accepts"
 
 
 # --- soak --------------------------------------------------------------------------------------

@@ -269,3 +269,55 @@ def test_lora_adapters_are_listed_and_applied_as_vllm_lists_and_applies_them(kvt
     for with_adapter, without in zip(adapter, base):
         assert with_adapter["model"] == "demo-sql"
         assert with_adapter["choices"][0]["logprobs"]["top_logprobs"] != without["choices"][0]["logprobs"]["top_logprobs"]
+
+
+RESPONSE = {"model": "kvtide-demo", "input": "What is the weather in Paris?", "temperature": 0,
+            "max_output_tokens": 8}
+MESSAGE = {"model": "kvtide-demo", "messages": HI, "temperature": 0, "max_tokens": 8}
+
+
+def _event_types(client: httpx.Client, path: str, body: dict[str, Any]) -> list[str]:
+    """The `type` of each SSE event of one streamed request (Responses and Messages events carry it)."""
+    with client.stream("POST", path, json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200, resp.read()
+        return [json.loads(line[6:])["type"] for line in resp.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_the_responses_api_is_answered_as_vllm_answers_it(kvtide, bare_vllm):
+    """POST /v1/responses: shaped as bare vLLM's answer within max_output_tokens; streamed, both open with
+    response.created and end with the response's final event; GET of that id gets bare vLLM's status."""
+    answers = _both_answers(kvtide, bare_vllm, "/v1/responses", RESPONSE)
+    for answer in answers:
+        assert answer["object"] == "response" and answer["usage"]["output_tokens"] <= RESPONSE["max_output_tokens"]
+    for client in (kvtide, bare_vllm):
+        types = _event_types(client, "/v1/responses", RESPONSE)
+        assert types[0] == "response.created" and types[-1] in ("response.completed", "response.incomplete"), types
+    ours, theirs = (client.get(f"/v1/responses/{answer['id']}") for client, answer in zip((kvtide, bare_vllm), answers))
+    assert ours.status_code == theirs.status_code, (ours.text, theirs.text)
+
+
+def test_anthropics_messages_api_is_answered_as_vllm_answers_it(kvtide, bare_vllm):
+    """POST /v1/messages: shaped as bare vLLM's answer within max_tokens; streamed, both open with message_start
+    and end with message_stop; /v1/messages/count_tokens counts the same tokens."""
+    for answer in _both_answers(kvtide, bare_vllm, "/v1/messages", MESSAGE):
+        assert answer["type"] == "message" and answer["usage"]["output_tokens"] <= MESSAGE["max_tokens"]
+    for client in (kvtide, bare_vllm):
+        types = _event_types(client, "/v1/messages", MESSAGE)
+        assert (types[0], types[-1]) == ("message_start", "message_stop"), types
+    ours, theirs = _both_answers(kvtide, bare_vllm, "/v1/messages/count_tokens",
+                                 {"model": "kvtide-demo", "messages": HI})
+    assert ours == theirs and ours["input_tokens"] > 0
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"model": "kvtide-demo"}),                       # no input
+    ("/v1/responses", {**RESPONSE, "model": "no-such-model"}),
+    ("/v1/messages", {"model": "kvtide-demo", "messages": HI}),       # no max_tokens
+    ("/v1/messages", {**MESSAGE, "messages": "not a list"}),
+])
+def test_what_vllm_refuses_on_responses_and_messages_kvtide_refuses_with_the_same_status(kvtide, bare_vllm,
+                                                                                         path, body):
+    """A Responses or Messages request bare vLLM refuses gets the same 4xx status from kvtide."""
+    ours, theirs = _post_both(kvtide, bare_vllm, path, body)
+    assert 400 <= theirs.status_code < 500, theirs.text

@@ -35,6 +35,7 @@ class FakeMetrics:
 
     def __init__(self) -> None:
         self.done: list[int] = []
+        self.endpoints: list[tuple[str, int]] = []
         self.rejected: list[str] = []
         self.phases: list[tuple[float, float, float]] = []
         self.predictions: list[tuple[str, Comparison]] = []
@@ -48,6 +49,7 @@ class FakeMetrics:
 
     def on_request_done(self, model: str, endpoint: str, status: int) -> None:
         self.done.append(status)
+        self.endpoints.append((endpoint, status))
 
     def on_rejected(self, model: str, reason: str) -> None:
         self.rejected.append(reason)
@@ -76,10 +78,25 @@ def _local_engine(n: int = 3) -> LocalEngineClient:
     return LocalEngineClient(generate, admission_limits(CONFIG))
 
 
-def _app(keys: list[str] | None = None, engine=None, metrics: FakeMetrics | None = None):
+async def _stand_in_vllm_layer(scope, receive, send) -> None:
+    """vLLM's OpenAI app in place: 200 with the method, path and JSON body it was handed."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    payload = json.dumps({"method": scope["method"], "path": scope["path"],
+                          "body": json.loads(body) if body else None}).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _app(keys: list[str] | None = None, engine=None, metrics: FakeMetrics | None = None, vllm_app=None):
     metrics = metrics or FakeMetrics()
     frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()), engine or _local_engine(),
                               metrics, None)
+    frontend.vllm_app = vllm_app
 
     async def ready() -> bool:
         return True
@@ -109,12 +126,15 @@ def _recording_client(accepts_router_headers: bool = False) -> tuple[TestClient,
 def test_every_v1_route_needs_the_api_key():
     """Each /v1 route of the app and the tokenizer endpoints (enumerated, not listed by hand) answer 401 without
     a key, and the set is pinned; /version, /health and /ready stay open."""
-    client, _ = _app(keys=["sk-1"])
+    client, _ = _app(keys=["sk-1"], vllm_app=_stand_in_vllm_layer)
     keyed = ("/v1", "/tokenize", "/detokenize")
-    routes = [(r.path.replace("{model_id:path}", "m"), m) for r in client.app.routes
+    routes = [(r.path.replace("{model_id:path}", "m").replace("{response_id}", "r"), m) for r in client.app.routes
               if r.path.startswith(keyed) for m in getattr(r, "methods", ())]
     assert sorted(routes) == [("/detokenize", "POST"), ("/tokenize", "POST"), ("/v1/chat/completions", "POST"),
-                              ("/v1/completions", "POST"), ("/v1/models", "GET"), ("/v1/models/m", "GET")]
+                              ("/v1/completions", "POST"), ("/v1/messages", "POST"),
+                              ("/v1/messages/count_tokens", "POST"), ("/v1/models", "GET"), ("/v1/models/m", "GET"),
+                              ("/v1/responses", "POST"), ("/v1/responses/r", "GET"),
+                              ("/v1/responses/r/cancel", "POST")]
     assert {path for path in (r.path for r in client.app.routes)} >= {"/version", "/health", "/ready"}
     assert client.get("/version").status_code == 200
     for path, method in routes:
@@ -126,8 +146,32 @@ def test_every_v1_route_needs_the_api_key():
     assert client.get("/health").status_code == 200 and client.get("/ready").status_code == 200
 
 
+def test_responses_and_messages_are_handed_whole_to_vllms_layer_and_counted_under_their_endpoint():
+    """POST /v1/responses and /v1/messages reach vLLM's layer with their path and body and are counted under
+    their endpoint; counting tokens and a stored response's GET and cancel reach it uncounted."""
+    metrics = FakeMetrics()
+    client, _ = _app(metrics=metrics, vllm_app=_stand_in_vllm_layer)
+    body = {"model": "m", "input": "hi", "max_tokens": 4}
+    for path in ("/v1/responses", "/v1/messages"):
+        assert client.post(path, json=body).json() == {"method": "POST", "path": path, "body": body}
+    for method, path in (("POST", "/v1/messages/count_tokens"), ("GET", "/v1/responses/resp_1"),
+                         ("POST", "/v1/responses/resp_1/cancel")):
+        assert client.request(method, path, json=body).json()["path"] == path
+    assert metrics.endpoints == [("responses", 200), ("messages", 200)]
+
+
+def test_responses_and_messages_before_vllms_layer_exists_are_a_retryable_503():
+    """Without vLLM's layer (no engine yet) those endpoints answer the 503 a client retries, never kvtide's path."""
+    metrics = FakeMetrics()
+    client, _ = _app(metrics=metrics)
+    for method, path in (("POST", "/v1/responses"), ("POST", "/v1/messages"), ("GET", "/v1/responses/resp_1")):
+        resp = client.request(method, path, json={"model": "m", "input": "hi"})
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_unavailable", path
+    assert metrics.endpoints == [("responses", 503), ("messages", 503)]
+
+
 def test_generation_posts_skip_fastapi_and_everything_else_reaches_it():
-    """The two generation POSTs are served (key check included, 401 counted) without FastAPI; GETs, a trailing
+    """The generation POSTs are served (key check included, 401 counted) without FastAPI; GETs, a trailing
     slash and other methods on those paths go to FastAPI."""
     client, metrics = _app(keys=["sk-1"])
     app = client.app

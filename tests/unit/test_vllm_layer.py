@@ -219,6 +219,31 @@ def test_a_streams_first_event_marks_its_time_to_first_token_once():
         assert marks == expected
 
 
+def test_a_responses_or_messages_stream_marks_its_first_token_at_its_first_output_event():
+    """Responses and Messages streams open with events sent before any token: TTFT is marked at the first delta."""
+    from kvtide.deployments.frontend.vllm_layer import FIRST_TOKEN_MARKERS
+
+    streams = {"responses": (b'data: {"type":"response.created"}\n\n', b'data: {"type":"response.in_progress"}\n\n',
+                             b'data: {"type":"response.output_text.delta","delta":"a"}\n\n'),
+               "messages": (b'event: message_start\ndata: {"type":"message_start"}\n\n',
+                            b'event: content_block_start\ndata: {"type":"content_block_start"}\n\n',
+                            b'event: content_block_delta\ndata: {"type":"content_block_delta"}\n\n')}
+    for endpoint, events in streams.items():
+        marks = []
+
+        async def stream(scope, receive, send, events=events):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            for event in events:
+                marks.append("event")
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        _run(VllmLayerResponse(stream, b"{}", None, _timeout(), lambda s: None,
+                               on_first_chunk=lambda: marks.append("first"),
+                               first_token_marker=FIRST_TOKEN_MARKERS[endpoint]), [])
+        assert marks == ["event", "event", "event", "first"], endpoint
+
+
 @pytest.mark.parametrize(("body", "endpoint", "param"), [
     ({"messages": USER, "logprobs": True, "seed": 2**70}, "chat", "seed"),
     ({"messages": USER, "tools": [], "n": 2, "stop": [""]}, "chat", "stop"),
