@@ -157,7 +157,7 @@ def test_ingress_mode_serves_and_both_routers_make_cache_hit_decisions(ingress_m
 
 def test_ingress_mode_hands_what_its_own_path_lacks_to_an_engines_vllm_layer(ingress_mode_app):
     """In ingress mode a request with logprobs and n=2 (and a batch of prompts) is answered by vLLM's layer on an
-    engine replica, reached over the engine handle, streamed or not."""
+    engine replica, reached over the engine handle, streamed or not; so are the Responses and Messages APIs."""
     body = {"model": INGRESS_APP, "prompt": "def fibonacci(n):", "max_tokens": 3, "n": 2, "logprobs": 2}
     with httpx.Client(base_url=ingress_mode_app, timeout=120) as http:
         answer = http.post("/v1/completions", json=body)
@@ -174,4 +174,9 @@ def test_ingress_mode_hands_what_its_own_path_lacks_to_an_engines_vllm_layer(ing
                 tokens_by_choice[choice["index"]] = (tokens_by_choice.get(choice["index"], 0)
                                                      + len(choice["logprobs"]["tokens"]))
         assert tokens_by_choice == {0: 3, 1: 3}, events  # vLLM may merge steps into one event; tokens add up
+        response = http.post("/v1/responses", json={"model": INGRESS_APP, "input": "hi", "max_output_tokens": 3})
+        assert response.status_code == 200 and response.json()["object"] == "response", response.text
+        message = http.post("/v1/messages", json={"model": INGRESS_APP, "max_tokens": 3,
+                                                  "messages": [{"role": "user", "content": "hi"}]})
+        assert message.status_code == 200 and message.json()["type"] == "message", message.text
 
