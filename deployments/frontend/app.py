@@ -69,9 +69,15 @@ class _Unauthorized(Exception):
         self.message = message
 
 
-# POST path -> the frontend's endpoint name.
+# POST path -> the frontend's endpoint name. Responses and Messages (OpenAI's Responses API,
+# Anthropic's Messages API) are vLLM's layer's alone (vllm_layer.py), with kvtide's admission,
+# deadline and metrics around them.
 GENERATION_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
                      "/v1/responses": "responses", "/v1/messages": "messages"}
+# (method, path, endpoint) of vLLM's requests that generate nothing: no admission, not counted.
+VLLM_PASSTHROUGH_ROUTES = (("GET", "/v1/responses/{response_id}", "responses"),
+                           ("POST", "/v1/responses/{response_id}/cancel", "responses"),
+                           ("POST", "/v1/messages/count_tokens", "messages"))
 
 
 def _authorize(api_keys: ApiKeys, request: Request) -> None:
@@ -144,35 +150,20 @@ def build_openai_app(frontend: OpenAIFrontend, api_keys: ApiKeys,
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
-    @v1.post("/completions")
-    async def completions(request: Request) -> Any:
-        return await frontend.handle(request, "completions")
+    def generation(endpoint: str) -> Callable[[Request], Awaitable[Any]]:
+        async def handler(request: Request) -> Any:
+            return await frontend.handle(request, endpoint)
+        return handler
 
-    @v1.post("/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        return await frontend.handle(request, "chat")
+    def vllm_passthrough(endpoint: str) -> Callable[[Request], Awaitable[Any]]:
+        async def handler(request: Request) -> Any:
+            return await frontend.vllm_passthrough(request, endpoint)
+        return handler
 
-    # vLLM's Responses API and Anthropic's Messages API: vLLM's layer answers them (vllm_layer.py),
-    # with kvtide's admission, deadline and metrics around the generating POSTs.
-    @v1.post("/responses")
-    async def responses(request: Request) -> Any:
-        return await frontend.handle(request, "responses")
-
-    @v1.get("/responses/{response_id}")
-    async def response_retrieve(request: Request) -> Any:
-        return await frontend.vllm_passthrough(request, "responses")
-
-    @v1.post("/responses/{response_id}/cancel")
-    async def response_cancel(request: Request) -> Any:
-        return await frontend.vllm_passthrough(request, "responses")
-
-    @v1.post("/messages")
-    async def messages(request: Request) -> Any:
-        return await frontend.handle(request, "messages")
-
-    @v1.post("/messages/count_tokens")
-    async def messages_count_tokens(request: Request) -> Any:
-        return await frontend.vllm_passthrough(request, "messages")
+    for path, endpoint in GENERATION_ROUTES.items():
+        v1.add_api_route(path.removeprefix("/v1"), generation(endpoint), methods=["POST"])
+    for method, path, endpoint in VLLM_PASSTHROUGH_ROUTES:
+        v1.add_api_route(path.removeprefix("/v1"), vllm_passthrough(endpoint), methods=[method])
 
     @v1.get("/models")
     async def models() -> Any:

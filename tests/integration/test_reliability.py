@@ -155,14 +155,29 @@ _valid_prompt = st.text(min_size=1, max_size=300) | st.lists(st.integers(0, 7999
 _junk_prompt = st.lists(st.integers(-5, 10**6), max_size=50) | st.lists(st.text(max_size=20), max_size=3) | _json
 
 
+def _valid_or_junk(draw, junk: bool):
+    """value(valid, bad): a draw of `valid`; in a junk case, of `bad` a quarter of the time."""
+    def value(valid, bad):
+        return draw(bad if junk and draw(st.integers(0, 3)) == 0 else valid)
+    return value
+
+
+def _encoded(draw, endpoint: str, body: dict, junk: bool) -> tuple[str, bytes]:
+    """The case as sent: the body as JSON; in a junk case, now and then raw bytes or a JSON non-object."""
+    kind = draw(st.sampled_from(["json"] * 18 + ["raw", "not_object"])) if junk else "json"
+    if kind == "raw":
+        return endpoint, draw(st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
+    if kind == "not_object":
+        return endpoint, json.dumps(draw(_json)).encode()
+    return endpoint, json.dumps(body).encode()
+
+
 @st.composite
 def _request(draw, model: str):
     """A request to a POST endpoint: half well-formed, half with junk fields, raw bytes or non-objects."""
     endpoint = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
     junk = draw(st.booleans())
-
-    def value(valid, bad):
-        return draw(bad if junk and draw(st.integers(0, 3)) == 0 else valid)
+    value = _valid_or_junk(draw, junk)
 
     body: dict = {"model": value(st.just(model), _json)}
     if endpoint == "/v1/completions":
@@ -179,12 +194,7 @@ def _request(draw, model: str):
         body["stream_options"] = value(st.fixed_dictionaries({"include_usage": st.booleans()}), _json)
     if draw(st.integers(0, 9)) == 0:
         body[draw(st.text(min_size=1, max_size=12))] = draw(_json)  # unknown keys are accepted
-    kind = draw(st.sampled_from(["json"] * 18 + ["raw", "not_object"])) if junk else "json"
-    if kind == "raw":
-        return endpoint, draw(st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
-    if kind == "not_object":
-        return endpoint, json.dumps(draw(_json)).encode()
-    return endpoint, json.dumps(body).encode()
+    return _encoded(draw, endpoint, body, junk)
 
 
 @st.composite
@@ -192,9 +202,7 @@ def _vllm_api_request(draw, model: str):
     """A request to vLLM's Responses or Messages API, half with junk fields, raw bytes or non-objects."""
     endpoint = draw(st.sampled_from(["/v1/responses", "/v1/messages"]))
     junk = draw(st.booleans())
-
-    def value(valid, bad):
-        return draw(bad if junk and draw(st.integers(0, 3)) == 0 else valid)
+    value = _valid_or_junk(draw, junk)
 
     body: dict = {"model": value(st.just(model), _json), "stream": value(st.booleans(), _json),
                   "temperature": value(st.floats(0, 1), _json)}
@@ -217,12 +225,7 @@ def _vllm_api_request(draw, model: str):
     for name, (valid, bad) in optional.items():
         if draw(st.booleans()):
             body[name] = value(valid, bad)
-    kind = draw(st.sampled_from(["json"] * 18 + ["raw", "not_object"])) if junk else "json"
-    if kind == "raw":
-        return endpoint, draw(st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
-    if kind == "not_object":
-        return endpoint, json.dumps(draw(_json)).encode()
-    return endpoint, json.dumps(body).encode()
+    return _encoded(draw, endpoint, body, junk)
 
 
 def _openai_answer_problem(resp: httpx.Response) -> str | None:
