@@ -69,7 +69,7 @@ class RouterPeer:
         if prompt is not None:
             self.routing.observe(token_ids, hashes, prompt.request.cache_salt)
         key = RoutingKey(block_hashes=hashes,
-                         session_key=session_key(prompt, session_header) if prompt is not None else None,
+                         session_key=session_key(prompt, session_header),
                          prompt=self.routing.prompt_text(token_ids))
         async with self.engine.choose_replica(key, _reserve=False) as selection:
             replica_id = selection._replica.replica_id.to_full_id_str()

@@ -104,15 +104,16 @@ def parse_json_body(body: bytes) -> Any:
     return data
 
 
-def session_key(prompt: Prompt, session_header: str | None) -> str | None:
-    """A conversation's routing key: the `x-session-id` header, else the OpenAI `user` field.
+def session_key(prompt: Prompt | None, session_header: str | None) -> str | None:
+    """A conversation's routing key: the `x-session-id` header, else the OpenAI `user` field
+    (None `prompt`: a body routed without one, e.g. a Responses API request; the header alone).
 
     prefix_aware keeps a session's turns on the replica that holds its history (under the
     load guard). The header is Ray Serve's session header (RAY_SERVE_SESSION_ID_HEADER_KEY),
     which HAProxy also forwards to the routing peer; `user` names an end user, whose
     requests are usually one conversation at a time.
     """
-    return session_header or prompt.request.user or None
+    return session_header or (prompt.request.user if prompt is not None else None) or None
 
 
 def chat_template_text(template: str | None) -> str | None:

@@ -41,6 +41,19 @@ def _idle(metrics_url: str, model: str) -> bool:
                for name in ("ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting"))
 
 
+def test_a_responses_conversation_with_a_session_header_stays_on_one_replica(http, cluster):
+    """Responses API turns carrying one x-session-id are served by one replica (the peer routes that body by its
+    session: it reads no prompt from it); the header is what holds them there."""
+    wait_for(lambda: _idle(cluster.metrics_url, cluster.model_name), timeout_s=120, what="the engines to be idle")
+    body = {"model": cluster.model_name, "input": "hello", "max_output_tokens": 2}
+    replicas = set()
+    for _ in range(3):
+        resp = http.post("/v1/responses", json=body, headers={"x-session-id": "conversation-7"})
+        assert resp.status_code == 200, resp.text
+        replicas.add(resp.headers["x-kvtide-replica"])
+    assert len(replicas) == 1, replicas
+
+
 def test_salted_tenants_never_share_cached_blocks_and_each_keeps_its_affinity(http, cluster):
     """cache_salt end to end: the same prompt under another salt (or none) is a cold prefill; each tenant hits its own cache."""
     # Affinity on an idle fleet: the load guard moves a request off a busy holder by design.

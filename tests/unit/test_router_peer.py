@@ -247,3 +247,23 @@ def test_the_peer_still_picks_a_replica_when_its_routing_headers_fail(monkeypatc
     answer = asyncio.run(scenario())
     assert answer["replica_id"].endswith("#a") and answer["request_headers"] == {}
 
+
+
+def test_a_body_routed_without_a_prompt_keeps_its_session_on_one_replica():
+    """A body the peer cannot read a prompt from (a Responses API request) with an x-session-id header: each turn
+    goes to the replica of the session's last one; without the header the load-only picks spread. (Four turns:
+    with no engine report, each pick counts as a request in flight, and the load guard would move the fifth.)"""
+    body = json.dumps({"model": "m", "input": "hello", "max_output_tokens": 4}).encode()
+    prompts = PromptBuilder(CONFIG, FakeTokenizer())
+    assert prompts.routing_prompt(body) is None
+
+    async def picks(session: str | None) -> set[str]:
+        router = PrefixAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(block_size=BS, seed=0)
+        replicas = [FakeReplica("a"), FakeReplica("b")]
+        router.update_replicas(replicas)
+        peer = _stand_in_peer(prompts, router, replicas)
+        return {(await RouterPeer.route(peer, body, session))["replica_id"] for _ in range(4)}
+
+    assert len(asyncio.run(picks("conversation-1"))) == 1
+    assert len(asyncio.run(picks(None))) == 2
