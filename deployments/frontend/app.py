@@ -14,10 +14,10 @@ Every /v1 route hangs off one APIRouter whose dependency checks the key, so a ro
 later cannot skip it (a unit test enumerates the app's routes). Unknown paths (404) and
 wrong methods (405) answer in OpenAI's error shape too.
 
-The generation POSTs (GENERATION_ROUTES) are dispatched ahead of FastAPI (`OpenAIApp`): each is
-on a client's TTFT, which FastAPI's routing, dependency solving and middleware stack would lengthen. They
-take the same key check (`_authorize`) and the same handler; every other request (GETs,
-other paths and methods, a trailing slash) is FastAPI's.
+The generation POSTs (GENERATION_ROUTES) are dispatched ahead of FastAPI (`OpenAIApp`): each
+is on a client's TTFT, which FastAPI's routing, dependency solving and middleware stack would
+lengthen. They take the same key check (`_authorize`) and the same handler; every other
+request (GETs, other paths and methods, a trailing slash) is FastAPI's.
 
 Built per replica (`build_openai_app` is a Serve late-bound ASGI app: the replica's
 `__serve_build_asgi_app__` calls it after its constructor), by an Ingress replica or by an

@@ -174,10 +174,10 @@ class OpenAIFrontend:
             body = await self.prompts.read_body(request)
             data = parse_json_body(body)
             vllm_only = endpoint in VLLM_ONLY_ENDPOINTS
-            if self.vllm_app is None and vllm_only:
-                raise unavailable_error(self.limits)  # no engine's layer yet: retry
-            if self.vllm_app is not None and (vllm_only or self.vllm_answers_all
-                                              or vllm_layer_field(data, endpoint, self.prompts.adapters)):
+            if vllm_only or (self.vllm_app is not None and (
+                    self.vllm_answers_all or vllm_layer_field(data, endpoint, self.prompts.adapters))):
+                if self.vllm_app is None:
+                    raise unavailable_error(self.limits)  # no engine's layer yet: retry
                 if not vllm_only:  # fields kvtide's path takes too: the same input gets the same answer
                     self.prompts.check_common_fields(data, endpoint)
                     refuse_prompt_logprobs(data, endpoint, self.refuses_prompt_logprobs)

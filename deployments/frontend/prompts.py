@@ -250,14 +250,17 @@ class PromptBuilder:
                 prompt = data["prompt"]
                 if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
                     prompt = prompt[0]  # a batch: route on its first prompt
-                token_ids = self.text_tokens(prompt) if isinstance(prompt, str) else list(prompt)
+                if isinstance(prompt, str):
+                    token_ids = self.text_tokens(prompt)
+                else:
+                    # The client's list as sent: route it only if it is token ids of this vocabulary
+                    # (the routed-tokens header packs them as uint32); vLLM answers the rest with a 400.
+                    token_ids = list(prompt)
+                    if not all(type(t) is int and 0 <= t < self.vocab_size for t in token_ids):
+                        return None
         except Exception:  # anything vLLM would refuse, it refuses itself on the replica
             return None
-        # A token-id prompt is the client's list as sent: route it only if it is token ids of this
-        # vocabulary (the routed-tokens header packs them as uint32); vLLM answers the rest with a 400.
-        if not token_ids or not all(type(t) is int and 0 <= t < self.vocab_size for t in token_ids):
-            return None
-        return Prompt(request, token_ids, 0)
+        return Prompt(request, token_ids, 0) if token_ids else None
 
     def parse(self, data: Any, model_cls: type[BaseModel], endpoint: str) -> Any:
         """A parsed body validated as `model_cls`: 400 naming the bad or unhonoured field, 404 for another
