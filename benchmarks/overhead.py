@@ -73,8 +73,9 @@ def serve_kvtide(config_path: str, overrides: list[str], mode: str, port: int, m
 
 
 @contextlib.contextmanager
-def serve_vllm(kwargs: dict[str, Any], port: int, log_path: Path) -> Iterator[str]:
-    cmd = vllm_server_cmd(kwargs, port)
+def serve_vllm(kwargs: dict[str, Any], port: int, log_path: Path, extra_flags: list[str] | None = None) -> Iterator[str]:
+    """Bare vLLM's OpenAI server on `kwargs`' engine; `extra_flags`: server flags with no engine kwarg (--lora-modules)."""
+    cmd = [*vllm_server_cmd(kwargs, port), *(extra_flags or [])]
     print("overhead: " + shlex.join(cmd), flush=True)
     with server_process(cmd, log_path) as alive:
         base_url = f"http://127.0.0.1:{port}"

@@ -42,6 +42,8 @@
 #                                              at two engines and differs only in when the second serves (seen:
 #                                              one 8B engine keeps the GPU busy at HIGH_RATE 6, so the second
 #                                              engine on it served the step worse, not better).
+#   bash benchmarks/h200/run.sh lora-logprobs  prompt logprobs among other requests with LoRA adapters enabled, kvtide
+#                                              and bare vLLM (demo model) -> lora-logprobs/report.md
 #   bash benchmarks/h200/run.sh preload        Ray's worker preload of vLLM and a new replica's start (no GPU used;
 #                                              the node's 16 CPUs as Ray's) -> preload/report.md
 #   bash benchmarks/h200/run.sh start STAGES   run the stages in order in the background (one session's
@@ -197,6 +199,14 @@ preload)  # does a replica Serve adds find vLLM imported in its worker? (benchma
   mkdir -p "$RES/preload"
   python3 -m kvtide.benchmarks.worker_preload --out-dir "$RES/preload" --num-cpus "$(nproc)" > "$RES/preload/run.log" 2>&1
   echo "preload: exit $?" >> "$RES/driver-notes.txt"
+  ;;
+lora-logprobs)  # prompt logprobs among other requests on an engine with LoRA adapters, kvtide and bare vLLM (demo model)
+  leftovers lora-logprobs; mkdir -p "$RES/lora-logprobs"
+  python3 -m kvtide.benchmarks.lora_prompt_logprobs --config "$REPO/config/presets/gpu-demo.yaml" \
+      --set 'lora={"adapters": {"demo-sql": "demo", "demo-chat": "demo"}, "max_loras": 2, "max_lora_rank": 8}' \
+      --hardware "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+      --out-dir "$RES/lora-logprobs" > "$RES/lora-logprobs/run.log" 2>&1
+  echo "lora-logprobs: exit $?" >> "$RES/driver-notes.txt"
   ;;
 routing)
   build_8b; leftovers routing
