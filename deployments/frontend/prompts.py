@@ -42,7 +42,8 @@ from kvtide.deployments.routing.block_hash import chain_key
 from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, decode_uints, encode_block_hashes, encode_uints
 from kvtide.deployments.frontend.token_encoder import TokenEncoder
 from kvtide.deployments.frontend.unsupported import refuse_unhonoured
-from kvtide.deployments.frontend.vllm_layer import vllm_layer_field
+from kvtide.deployments.frontend.api_bodies import ChatView, body_endpoint, chat_tools, messages_view, responses_view
+from kvtide.deployments.frontend.vllm_layer import VLLM_ONLY_ENDPOINTS, vllm_layer_field
 
 # Fields kvtide's request models declare that vLLM's layer takes in shapes kvtide's own path does
 # not (n > 1, a batch of prompts, tool or multimodal messages, per-chunk usage): not checked by
@@ -201,8 +202,8 @@ class PromptBuilder:
         """
         try:
             data = parse_json_body(body)
-            endpoint = "chat" if isinstance(data, dict) and "messages" in data else "completions"
-            if vllm_layer_field(data, endpoint, self.adapters) is not None:
+            endpoint = body_endpoint(data)
+            if endpoint in VLLM_ONLY_ENDPOINTS or vllm_layer_field(data, endpoint, self.adapters) is not None:
                 return self._vllm_layer_routing_prompt(endpoint, data)
             return self.build(endpoint, data)
         except ApiError:
@@ -227,7 +228,8 @@ class PromptBuilder:
 
     def _vllm_layer_routing_prompt(self, endpoint: str, data: dict[str, Any]) -> Prompt | None:
         """The prompt vLLM's own layer will render for a request it answers (tools and template options
-        included, as vLLM passes them to the template), so that agents' long shared tool definitions
+        included, as vLLM passes them to the template; a Messages or Responses body as the chat vLLM
+        converts it to, api_bodies.py), so that agents' long shared system prompts and tool definitions
         route to the replica that has them cached. None when it does not render."""
         salt, user, model = data.get("cache_salt"), data.get("user"), data.get("model")
         # An adapter's blocks chain from their own root, as vLLM keys the adapter into its hashes.
@@ -235,16 +237,20 @@ class PromptBuilder:
         request = RoutingOnlyRequest(chain_key(salt if isinstance(salt, str) and salt else None, lora),
                                      user if isinstance(user, str) else None)
         try:
-            if endpoint == "chat":
-                messages = data["messages"]
+            if endpoint != "completions":
+                view = self._chat_view(endpoint, data)
+                if view is None or not view.messages:
+                    return None
                 self._check_conversation([{"content": m.get("content") if isinstance(m.get("content"), str) else ""}
-                                          for m in messages])
+                                          for m in view.messages])
                 options = data.get("chat_template_kwargs") or {}
                 template = {"chat_template": self.chat_template} if self.chat_template is not None else {}
+                # A partial view renders as a prefix of vLLM's prompt: no generation prompt after it.
                 text = self.tokenizer.apply_chat_template(
-                    messages, tools=data.get("tools") or None, tokenize=False,
-                    add_generation_prompt=data.get("add_generation_prompt", True),
-                    continue_final_message=data.get("continue_final_message", False), **template, **options)
+                    view.messages, tools=view.tools, tokenize=False,
+                    add_generation_prompt=view.complete and data.get("add_generation_prompt", True),
+                    continue_final_message=view.complete and data.get("continue_final_message", False),
+                    **template, **options)
                 token_ids = self.encode(text, add_special_tokens=False)
             else:
                 prompt = data["prompt"]
@@ -261,6 +267,15 @@ class PromptBuilder:
         except Exception:  # anything vLLM would refuse, it refuses itself on the replica
             return None
         return Prompt(request, token_ids, 0) if token_ids else None
+
+    @staticmethod
+    def _chat_view(endpoint: str, data: dict[str, Any]) -> ChatView | None:
+        """The messages and tools vLLM renders for a chat, Messages or Responses body."""
+        if endpoint == "messages":
+            return messages_view(data)
+        if endpoint == "responses":
+            return responses_view(data)
+        return ChatView(data["messages"], chat_tools(data.get("tools")), True)
 
     def parse(self, data: Any, model_cls: type[BaseModel], endpoint: str) -> Any:
         """A parsed body validated as `model_cls`: 400 naming the bad or unhonoured field, 404 for another

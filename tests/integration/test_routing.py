@@ -54,6 +54,54 @@ def test_a_responses_conversation_with_a_session_header_stays_on_one_replica(htt
     assert len(replicas) == 1, replicas
 
 
+def _ask_agent(http, model: str, api: str, system: str, question: str) -> tuple[str, int]:
+    """One turn through the Anthropic Messages or OpenAI Responses API with `system` as its system prompt:
+    (serving replica, prompt tokens the engine found cached)."""
+    if api == "messages":
+        resp = http.post("/v1/messages", json={"model": model, "max_tokens": 2, "system": system,
+                                               "messages": [{"role": "user", "content": question}]})
+        assert resp.status_code == 200, resp.text
+        return resp.headers["x-kvtide-replica"], resp.json()["usage"].get("cache_read_input_tokens") or 0
+    resp = http.post("/v1/responses", json={"model": model, "max_output_tokens": 2, "instructions": system,
+                                            "input": question})
+    assert resp.status_code == 200, resp.text
+    return resp.headers["x-kvtide-replica"], resp.json()["usage"]["input_tokens_details"]["cached_tokens"]
+
+
+def _chat_with_system(system: str, question: str, **extra) -> dict:
+    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}], **extra}
+
+
+def test_messages_and_responses_turns_sharing_a_system_prompt_reach_its_cached_blocks(http, cluster):
+    """A Messages `system` and a Responses `instructions` route as the system message vLLM renders them to: with two
+    system prompts cached on different replicas (by chat requests), turns of either API with no session header each
+    land where their system prompt's blocks are."""
+    wait_for(lambda: _idle(cluster.metrics_url, cluster.model_name), timeout_s=120, what="the engines to be idle")
+    systems = {"A": _prefix(5), "B": _prefix(6)}
+    model = cluster.model_name
+    # While a long chat with system A runs on one replica, B's first chat is placed on the other (by load).
+    with ThreadPoolExecutor(1) as pool:
+        long_a = pool.submit(lambda: http.post("/v1/chat/completions", json={
+            "model": model, **_chat_with_system(systems["A"], "long?", max_tokens=2000, ignore_eos=True)}))
+        wait_for(lambda: metric_sum(cluster.metrics_url, "ray_vllm_num_requests_running") >= 1,
+                 timeout_s=60, what="the engines to report system A's long chat running")
+        resp = http.post("/v1/chat/completions", json={"model": model, **_chat_with_system(systems["B"], "q?",
+                                                                                           max_tokens=2)})
+        assert resp.status_code == 200, resp.text
+        first = {"B": resp.headers["x-kvtide-replica"]}
+        resp = long_a.result()
+        assert resp.status_code == 200, resp.text
+        first["A"] = resp.headers["x-kvtide-replica"]
+    assert first["A"] != first["B"]
+    served = []  # (system, api, replica, cached tokens) per turn: a failure names where each one went
+    for i in range(2):
+        for name, system in systems.items():
+            for api in ("responses", "messages"):
+                replica, cached = _ask_agent(http, model, api, system, f"question {i}")
+                served.append((name, api, replica, cached))
+                assert cached >= 1024, f"a {api} turn prefilled system {name} (~1,800 tokens) cold: {served}"
+
+
 def test_salted_tenants_never_share_cached_blocks_and_each_keeps_its_affinity(http, cluster):
     """cache_salt end to end: the same prompt under another salt (or none) is a cold prefill; each tenant hits its own cache."""
     # Affinity on an idle fleet: the load guard moves a request off a busy holder by design.

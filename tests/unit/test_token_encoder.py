@@ -12,20 +12,6 @@ TEXTS = ["", "hello world", "  two  spaces\n\n", "naïve café 東京 🙂", "<s
          "alpha beta " * 300, "x" * 5000]
 
 
-@pytest.fixture(scope="module")
-def demo_tokenizer(tmp_path_factory):
-    """The demo model's own (byte-level BPE) fast tokenizer, from a tiny build of the demo checkpoint."""
-    from transformers import AutoTokenizer
-
-    from kvtide.deployments.engine.demo_model import DemoModelSpec, build_demo_model
-
-    tiny = DemoModelSpec(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVTIDE_HOME", str(tmp_path_factory.mktemp("kvtide-home")))
-        return AutoTokenizer.from_pretrained(build_demo_model(tiny))
-
-
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 def test_fast_path_ids_equal_transformers_encode(demo_tokenizer, add_special_tokens):
     """On the demo model's fast tokenizer the fast path is taken and every text gives `encode`'s ids."""
