@@ -28,6 +28,7 @@ _BILLING_HEADER = "x-anthropic-billing-header"
 # Content blocks only the Anthropic API has: a body with one is a Messages request.
 _ANTHROPIC_BLOCKS = frozenset({"tool_use", "tool_result", "image", "document", "thinking", "redacted_thinking",
                                "tool_reference"})
+_INVALID = object()  # a `system` shape vLLM refuses
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,12 @@ def tool_dict(function: dict[str, Any], defer_loading: Any = None) -> dict[str, 
     parameters always (None when absent), strict and defer_loading only when set."""
     out: dict[str, Any] = {"name": function["name"], "description": function.get("description"),
                            "parameters": function.get("parameters")}
-    for key in ("strict", "defer_loading"):
-        value = function.get(key) if function.get(key) is not None else (defer_loading if key == "defer_loading"
-                                                                         else None)
-        if value is not None:
-            out[key] = value
+    if function.get("strict") is not None:
+        out["strict"] = function["strict"]
+    # The tool's defer_loading is copied into its function unless the function sets its own.
+    deferred = function.get("defer_loading") if function.get("defer_loading") is not None else defer_loading
+    if deferred is not None:
+        out["defer_loading"] = deferred
     tool: dict[str, Any] = {"type": "function", "function": out}
     if defer_loading is not None:
         tool["defer_loading"] = defer_loading
@@ -115,14 +117,11 @@ def messages_view(data: dict[str, Any]) -> ChatView | None:
             return None  # vLLM resolves the tools in effect at the conversation's end
         # vLLM's AnthropicTool gives a schema without a type the type "object".
         tools = [tool_dict({"name": t["name"], "description": t.get("description"),
-                            "parameters": {**t["input_schema"]} if "type" in t["input_schema"]
+                            "parameters": t["input_schema"] if "type" in t["input_schema"]
                             else {**t["input_schema"], "type": "object"},
                             "strict": t.get("strict"), "defer_loading": t.get("defer_loading")})
                  for t in data["tools"]]
     return ChatView(converted, tools, complete)
-
-
-_INVALID = object()
 
 
 def _system_text(system: Any) -> Any:
