@@ -64,6 +64,15 @@ def _anthropic_shaped(data: dict[str, Any]) -> bool:
         for m in messages)
 
 
+def chat_view(endpoint: str, data: dict[str, Any]) -> ChatView | None:
+    """The messages and tools vLLM renders for a "chat", "messages" or "responses" body."""
+    if endpoint == "messages":
+        return messages_view(data)
+    if endpoint == "responses":
+        return responses_view(data)
+    return ChatView(data["messages"], chat_tools(data.get("tools")), True)
+
+
 def tool_dict(function: dict[str, Any], defer_loading: Any = None) -> dict[str, Any]:
     """A tool as vLLM's ChatCompletionToolsParam dumps it for the chat template: name, description and
     parameters always (None when absent), strict and defer_loading only when set."""

@@ -42,7 +42,7 @@ from kvtide.deployments.routing.block_hash import chain_key
 from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, decode_uints, encode_block_hashes, encode_uints
 from kvtide.deployments.frontend.token_encoder import TokenEncoder
 from kvtide.deployments.frontend.unsupported import refuse_unhonoured
-from kvtide.deployments.frontend.api_bodies import ChatView, body_endpoint, chat_tools, messages_view, responses_view
+from kvtide.deployments.frontend.api_bodies import body_endpoint, chat_view
 from kvtide.deployments.frontend.vllm_layer import VLLM_ONLY_ENDPOINTS, vllm_layer_field
 
 # Fields kvtide's request models declare that vLLM's layer takes in shapes kvtide's own path does
@@ -238,7 +238,7 @@ class PromptBuilder:
                                      user if isinstance(user, str) else None)
         try:
             if endpoint != "completions":
-                view = self._chat_view(endpoint, data)
+                view = chat_view(endpoint, data)
                 if view is None or not view.messages:
                     return None
                 self._check_conversation([{"content": m.get("content") if isinstance(m.get("content"), str) else ""}
@@ -267,15 +267,6 @@ class PromptBuilder:
         except Exception:  # anything vLLM would refuse, it refuses itself on the replica
             return None
         return Prompt(request, token_ids, 0) if token_ids else None
-
-    @staticmethod
-    def _chat_view(endpoint: str, data: dict[str, Any]) -> ChatView | None:
-        """The messages and tools vLLM renders for a chat, Messages or Responses body."""
-        if endpoint == "messages":
-            return messages_view(data)
-        if endpoint == "responses":
-            return responses_view(data)
-        return ChatView(data["messages"], chat_tools(data.get("tools")), True)
 
     def parse(self, data: Any, model_cls: type[BaseModel], endpoint: str) -> Any:
         """A parsed body validated as `model_cls`: 400 naming the bad or unhonoured field, 404 for another
