@@ -28,6 +28,7 @@ _BILLING_HEADER = "x-anthropic-billing-header"
 # Content blocks only the Anthropic API has: a body with one is a Messages request.
 _ANTHROPIC_BLOCKS = frozenset({"tool_use", "tool_result", "image", "document", "thinking", "redacted_thinking",
                                "tool_reference"})
+_TOOL_CHANGES = frozenset({"tool_addition", "tool_removal"})
 _INVALID = object()  # a `system` shape vLLM refuses
 
 
@@ -57,10 +58,14 @@ def _anthropic_shaped(data: dict[str, Any]) -> bool:
     tools = data.get("tools")
     if isinstance(tools, list) and any(isinstance(t, dict) and "input_schema" in t for t in tools):
         return True
-    messages = data.get("messages")
+    return _has_block(data.get("messages"), _ANTHROPIC_BLOCKS)
+
+
+def _has_block(messages: Any, types: frozenset[str]) -> bool:
+    """Whether any message's content-block list holds a block of one of `types`."""
     return isinstance(messages, list) and any(
         isinstance(m, dict) and isinstance(m.get("content"), list)
-        and any(isinstance(b, dict) and b.get("type") in _ANTHROPIC_BLOCKS for b in m["content"])
+        and any(isinstance(b, dict) and b.get("type") in types for b in m["content"])
         for m in messages)
 
 
@@ -120,9 +125,7 @@ def messages_view(data: dict[str, Any]) -> ChatView | None:
                 isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("input_schema"), dict)
                 for t in data["tools"]):
             return None
-        if any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
-                isinstance(b, dict) and b.get("type") in ("tool_addition", "tool_removal") for b in m["content"])
-               for m in data["messages"]):
+        if _has_block(data["messages"], _TOOL_CHANGES):
             return None  # vLLM resolves the tools in effect at the conversation's end
         # vLLM's AnthropicTool gives a schema without a type the type "object".
         tools = [tool_dict({"name": t["name"], "description": t.get("description"),
