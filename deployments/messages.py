@@ -134,6 +134,8 @@ class VllmLayerCall:
     path: str
     headers: tuple[tuple[bytes, bytes], ...]
     body: bytes
+    method: str = "POST"
+    query_string: bytes = b""  # GET /v1/responses/{id} takes its options there
     block_hashes: tuple[int, ...] = ()
     session_key: str | None = None
     prompt: str | None = None

@@ -312,9 +312,9 @@ class EngineReplica:
         ASGI messages vLLM's app sends. A cancelled stream (the client left, the deadline passed)
         cancels the app, which aborts the request in the engine."""
         self._refuse_if_asleep()
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": call.method,
                  "scheme": "http", "path": call.path, "raw_path": call.path.encode(), "root_path": "",
-                 "query_string": b"", "headers": list(call.headers), "client": None, "server": None}
+                 "query_string": call.query_string, "headers": list(call.headers), "client": None, "server": None}
         messages: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         body_sent = False
 

@@ -1,4 +1,5 @@
-"""Anthropic Messages and OpenAI Responses bodies as the chat vLLM renders for them, for routing.
+"""Which API a body is for, and Anthropic Messages and OpenAI Responses bodies as the chat vLLM
+renders for them, for routing.
 
 vLLM's layer answers `/v1/messages` by converting the Anthropic body to a chat request
 (`AnthropicServingMessages.to_chat_completion_request`) and `/v1/responses` by building chat
@@ -42,13 +43,22 @@ class ChatView:
 
 
 def body_endpoint(data: Any) -> str:
-    """Which endpoint a body is for, read from its shape (the peer gets no path): "responses" (an
-    `input`, no `messages` or `prompt`), "messages" (Anthropic-only fields or blocks), "chat" or
-    "completions". A Messages body with none of those renders as the same chat (string contents)."""
+    """Which endpoint a body is for, read from its shape (the peer gets no path): "generate" (vLLM's
+    tokens-in API: `token_ids` and `sampling_params`), "generative_scoring" (`query` and `items`),
+    "responses" (an `input`, no `messages` or `prompt`), "chat_batch" (`messages` a list of
+    conversations), "messages" (Anthropic-only fields or blocks), "chat" or "completions". A
+    Messages body with none of those renders as the same chat (string contents)."""
     if not isinstance(data, dict):
         return "completions"
     if "messages" not in data:
+        if "token_ids" in data and "sampling_params" in data:
+            return "generate"
+        if "query" in data and "items" in data:
+            return "generative_scoring"
         return "responses" if "input" in data and "prompt" not in data else "completions"
+    messages = data["messages"]
+    if isinstance(messages, list) and messages and isinstance(messages[0], list):
+        return "chat_batch"
     return "messages" if _anthropic_shaped(data) else "chat"
 
 
@@ -70,12 +80,14 @@ def _has_block(messages: Any, types: frozenset[str]) -> bool:
 
 
 def chat_view(endpoint: str, data: dict[str, Any]) -> ChatView | None:
-    """The messages and tools vLLM renders for a "chat", "messages" or "responses" body."""
+    """The messages and tools vLLM renders for a "chat", "chat_batch", "messages" or "responses" body
+    (a batch: its first conversation, which is all one replica serves and routing needs)."""
     if endpoint == "messages":
         return messages_view(data)
     if endpoint == "responses":
         return responses_view(data)
-    return ChatView(data["messages"], chat_tools(data.get("tools")), True)
+    messages = data["messages"][0] if endpoint == "chat_batch" else data["messages"]
+    return ChatView(messages, chat_tools(data.get("tools")), True)
 
 
 def tool_dict(function: dict[str, Any], defer_loading: Any = None) -> dict[str, Any]:

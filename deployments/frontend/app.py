@@ -1,17 +1,20 @@
 """The OpenAI-compatible HTTP app: routes, API-key check, OpenAI-shaped errors.
 
     POST /v1/completions, /v1/chat/completions   (stream or not)   API key when keys are set
-    POST /v1/responses, /v1/messages  (vLLM's layer answers them)    API key when keys are set
+    POST /v1/responses, /v1/messages, /v1/chat/completions/batch,
+         /inference/v1/generate, /generative_scoring, /v1/systemone
+                                      (vLLM's layer answers them)    API key when keys are set
     POST /v1/messages/count_tokens, GET /v1/responses/{id},
-         POST /v1/responses/{id}/cancel  (vLLM's layer)               API key when keys are set
+         POST /v1/responses/{id}/cancel, POST /v1/{api}/render and
+         /v1/{api}/derender  (vLLM's layer)                          API key when keys are set
     GET  /v1/models, /v1/models/{id}                                 API key when keys are set
     POST /tokenize, /detokenize   (vLLM's shapes)                    API key when keys are set
     GET  /version                 (the serving vLLM's version)        open
     GET  /health  (liveness: the process answers)                    open, for probes
     GET  /ready   (an engine can serve)                              open, for probes
 
-Every /v1 route hangs off one APIRouter whose dependency checks the key, so a route added
-later cannot skip it (a unit test enumerates the app's routes). Unknown paths (404) and
+Every /v1 route hangs off one of two APIRouters whose dependency checks the key, so a route
+added later cannot skip it (a unit test enumerates the app's routes). Unknown paths (404) and
 wrong methods (405) answer in OpenAI's error shape too.
 
 The generation POSTs (GENERATION_ROUTES) are dispatched ahead of FastAPI (`OpenAIApp`): each
@@ -69,15 +72,39 @@ class _Unauthorized(Exception):
         self.message = message
 
 
-# POST path -> the frontend's endpoint name. Responses and Messages (OpenAI's Responses API,
-# Anthropic's Messages API) are vLLM's layer's alone (vllm_layer.py), with kvtide's admission,
-# deadline and metrics around them.
+# POST path -> the frontend's endpoint name. All but completions and chat are vLLM's layer's
+# alone (vllm_layer.VLLM_ONLY_ENDPOINTS: OpenAI's Responses API, Anthropic's Messages API, and
+# vLLM's batch of chats, tokens-in/out generation, generative scoring and structured decisions),
+# with kvtide's admission, deadline and metrics around them.
 GENERATION_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
-                     "/v1/responses": "responses", "/v1/messages": "messages"}
-# (method, path, endpoint) of vLLM's requests that generate nothing: no admission, not counted.
+                     "/v1/responses": "responses", "/v1/messages": "messages",
+                     "/v1/chat/completions/batch": "chat_batch", "/inference/v1/generate": "generate",
+                     "/generative_scoring": "generative_scoring", "/v1/systemone": "structured_decisions"}
+# (method, path, endpoint) of vLLM's requests that generate nothing (count a message's tokens, a
+# stored response, render a request to the engine prompt vLLM would run, token ids back to text):
+# no admission, not counted.
 VLLM_PASSTHROUGH_ROUTES = (("GET", "/v1/responses/{response_id}", "responses"),
                            ("POST", "/v1/responses/{response_id}/cancel", "responses"),
-                           ("POST", "/v1/messages/count_tokens", "messages"))
+                           ("POST", "/v1/messages/count_tokens", "messages"),
+                           ("POST", "/v1/chat/completions/render", "chat"),
+                           ("POST", "/v1/completions/render", "completions"),
+                           ("POST", "/v1/messages/render", "messages"),
+                           ("POST", "/v1/responses/render", "responses"),
+                           ("POST", "/v1/chat/completions/derender", "chat"),
+                           ("POST", "/v1/completions/derender", "completions"))
+# The routes of vLLM's own server (for a generative model) that kvtide does not serve, and why.
+# Every other route of vLLM's app is served (a unit test compares with the installed vLLM's).
+VLLM_ROUTES_NOT_SERVED = {
+    "/metrics": "kvtide's metrics are exported on Ray's metrics port, fleet-wide (the chart scrapes it)",
+    "/load": "one replica's in-flight count; the fleet's load is kvtide's own metrics",
+    "/kv_event_sources": "the engines' KV event endpoints are internal to kvtide's routing",
+    "/inference/v1/abort_requests": "an abort must reach the replica serving the request: closing the "
+                                    "request's connection aborts it, through kvtide as in vLLM",
+    "/scale_elastic_ep": "elastic expert parallelism is an admin action; kvtide's autoscaler scales",
+    "/is_scaling_elastic_ep": "elastic expert parallelism is an admin action; kvtide's autoscaler scales",
+    "/ping": "SageMaker's container contract; kvtide's probes are /health and /ready",
+    "/invocations": "SageMaker's container contract; kvtide deploys on Ray and KubeRay",
+}
 
 
 def _authorize(api_keys: ApiKeys, request: Request) -> None:
@@ -149,6 +176,9 @@ def build_openai_app(frontend: OpenAIFrontend, api_keys: ApiKeys,
         _authorize(api_keys, request)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+    # vLLM's tokenizer endpoints and its routes outside /v1: behind the key like /v1 (vLLM leaves some
+    # open; any that tokenizes or generates costs the fleet CPU or GPU).
+    keyed = APIRouter(dependencies=[Depends(require_api_key)])
 
     def generation(endpoint: str) -> Callable[[Request], Awaitable[Any]]:
         async def handler(request: Request) -> Any:
@@ -161,9 +191,9 @@ def build_openai_app(frontend: OpenAIFrontend, api_keys: ApiKeys,
         return handler
 
     for path, endpoint in GENERATION_ROUTES.items():
-        v1.add_api_route(path.removeprefix("/v1"), generation(endpoint), methods=["POST"])
+        keyed.add_api_route(path, generation(endpoint), methods=["POST"])
     for method, path, endpoint in VLLM_PASSTHROUGH_ROUTES:
-        v1.add_api_route(path.removeprefix("/v1"), vllm_passthrough(endpoint), methods=[method])
+        keyed.add_api_route(path, vllm_passthrough(endpoint), methods=[method])
 
     @v1.get("/models")
     async def models() -> Any:
@@ -174,9 +204,6 @@ def build_openai_app(frontend: OpenAIFrontend, api_keys: ApiKeys,
         return frontend.model(model_id)
 
     app.include_router(v1)
-
-    # vLLM's tokenizer endpoints: behind the key like /v1 (vLLM leaves them open; tokenizing costs CPU).
-    keyed = APIRouter(dependencies=[Depends(require_api_key)])
 
     @keyed.post("/tokenize")
     async def tokenize(request: Request) -> Any:

@@ -180,7 +180,7 @@ class OpenAIFrontend:
                     raise unavailable_error(self.limits)  # no engine's layer yet: retry
                 if not vllm_only:  # fields kvtide's path takes too: the same input gets the same answer
                     self.prompts.check_common_fields(data, endpoint)
-                    refuse_prompt_logprobs(data, endpoint, self.refuses_prompt_logprobs)
+                refuse_prompt_logprobs(data, endpoint, self.refuses_prompt_logprobs)
                 streaming = True  # the response holds the ticket until it ends
                 return self.via_vllm(body, endpoint, ticket, deadline,
                                      model=served_model(data, self.model_name, self.prompts.adapters),

@@ -49,6 +49,8 @@ from kvtide.deployments.frontend.vllm_layer import VLLM_ONLY_ENDPOINTS, vllm_lay
 # not (n > 1, a batch of prompts, tool or multimodal messages, per-chunk usage): not checked by
 # kvtide's rules when vLLM's layer answers (vLLM checks them), as is `model` (an adapter's name).
 _VLLM_SHAPED_FIELDS = frozenset({"model", "n", "prompt", "messages", "stream_options"})
+# vLLM's APIs whose engine prompt is token ids it concatenates, not a text or template it renders.
+_TOKEN_PROMPT_ENDPOINTS = frozenset({"generate", "generative_scoring"})
 logger = replica_logger("prompts")
 
 # Completions default to 16 output tokens, as OpenAI's legacy endpoint does.
@@ -237,7 +239,9 @@ class PromptBuilder:
         request = RoutingOnlyRequest(chain_key(salt if isinstance(salt, str) and salt else None, lora),
                                      user if isinstance(user, str) else None)
         try:
-            if endpoint != "completions":
+            if endpoint in _TOKEN_PROMPT_ENDPOINTS:
+                token_ids = self._token_prompt(endpoint, data)
+            elif endpoint != "completions":
                 view = chat_view(endpoint, data)
                 if view is None or not view.messages:
                     return None
@@ -261,12 +265,32 @@ class PromptBuilder:
                 else:
                     # The client's list as sent: route it only if it is token ids of this vocabulary
                     # (the routed-tokens header packs them as uint32); vLLM answers the rest with a 400.
-                    token_ids = list(prompt)
-                    if not all(type(t) is int and 0 <= t < self.vocab_size for t in token_ids):
-                        return None
+                    token_ids = self._vocabulary_ids(prompt)
         except Exception:  # anything vLLM would refuse, it refuses itself on the replica
             return None
         return Prompt(request, token_ids, 0) if token_ids else None
+
+    def _vocabulary_ids(self, ids: Any) -> list[int]:
+        """A client's token-id list as sent, if it is one of this vocabulary (the routed-tokens header packs
+        them as uint32); [] otherwise: vLLM answers the request itself, routed by load."""
+        ok = isinstance(ids, list) and all(type(t) is int and 0 <= t < self.vocab_size for t in ids)
+        return list(ids) if ok else []
+
+    def _token_prompt(self, endpoint: str, data: dict[str, Any]) -> list[int]:
+        """The engine prompt vLLM builds for a body of its tokens-in APIs: /inference/v1/generate sends
+        `token_ids` as they are; /generative_scoring scores each item after the query (before it with
+        `item_first`), the query tokenized with `add_special_tokens` and an item without: route on the
+        first item's prompt, whose query part every other item's prompt shares."""
+        if endpoint == "generate":
+            return self._vocabulary_ids(data["token_ids"])
+        query, items = data["query"], data["items"]
+        if isinstance(query, str):
+            query = self.text_tokens(query, add_special_tokens=data.get("add_special_tokens", True) is not False)
+        item = items[0] if isinstance(items, list) and items else []
+        if isinstance(item, str):
+            item = self.text_tokens(item, add_special_tokens=False)
+        query, item = self._vocabulary_ids(query), self._vocabulary_ids(item)
+        return item + query if data.get("item_first") is True else query + item
 
     def parse(self, data: Any, model_cls: type[BaseModel], endpoint: str) -> Any:
         """A parsed body validated as `model_cls`: 400 naming the bad or unhonoured field, 404 for another

