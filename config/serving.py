@@ -64,6 +64,9 @@ class ServingConfig(Strict):
     response_role: str = Field("assistant", min_length=1,
                                description="Role of the generated message when add_generation_prompt is true.")
     max_logprobs: int = Field(20, ge=-1, description="Most logprobs/top_logprobs a request may ask for (-1: no limit).")
+    enable_scale_out: bool = Field(
+        False, description="vLLM's tokens-in/out endpoints: /v1/{api}/render, /v1/{api}/derender and "
+                           "/inference/v1/generate (off, as in vLLM: they answer 403).")
     structured_outputs: StructuredOutputsSettings = Field(default_factory=StructuredOutputsSettings)
     extra_args: dict[str, Any] = Field(
         default_factory=dict,
@@ -90,4 +93,5 @@ class ServingConfig(Strict):
     def server_args(self) -> dict[str, Any]:
         """The serving options vLLM's OpenAI serving layer reads from its parsed arguments."""
         return {"tool_call_parser": self.tool_call_parser, "enable_auto_tool_choice": self.enable_auto_tool_choice,
-                "chat_template": self.chat_template, "response_role": self.response_role, **self.extra_args}
+                "chat_template": self.chat_template, "response_role": self.response_role,
+                "enable_scale_out": self.enable_scale_out, **self.extra_args}

@@ -339,6 +339,7 @@ def test_every_route_of_vllms_server_answers_as_vllm_or_is_left_out_on_purpose(k
             if ours != theirs:
                 differ.append((method, path, ours, theirs))
     assert differ == [], "(method, path, kvtide's status, expected) per route"
+    # serving.enable_scale_out (on in cpu-parity.yaml) puts the tokens-in/out routes in vLLM's schema
     assert {"/v1/chat/completions/batch", "/inference/v1/generate", "/v1/chat/completions/render"} <= set(paths)
 
 

@@ -117,7 +117,7 @@ def test_past_the_deadline_mid_stream_the_stream_ends_with_an_error_event():
 def test_serving_section_reaches_engine_kwargs_and_the_vllm_serve_flags():
     """serving: options vLLM takes as engine args go to the engine; the rest become the same `vllm serve` flags."""
     config = parse_config({"serving": {"tool_call_parser": "hermes", "enable_auto_tool_choice": True,
-                                       "reasoning_parser": "qwen3", "max_logprobs": 5,
+                                       "reasoning_parser": "qwen3", "max_logprobs": 5, "enable_scale_out": True,
                                        "structured_outputs": {"backend": "xgrammar", "disable_any_whitespace": True},
                                        "extra_args": {"enable_prompt_tokens_details": True}}})
     kwargs = engine_kwargs(config, "/m")
@@ -125,7 +125,10 @@ def test_serving_section_reaches_engine_kwargs_and_the_vllm_serve_flags():
     assert kwargs["structured_outputs_config"] == {"backend": "xgrammar", "disable_any_whitespace": True,
                                                    "disable_additional_properties": False}
     assert vllm_serving_flags(config.serving) == ["--tool-call-parser", "hermes", "--enable-auto-tool-choice",
-                                                  "--response-role", "assistant", "--enable-prompt-tokens-details"]
+                                                  "--response-role", "assistant", "--enable-scale-out",
+                                                  "--enable-prompt-tokens-details"]
+    assert config.serving.server_args()["enable_scale_out"] is True
+    assert parse_config({}).serving.server_args()["enable_scale_out"] is False  # vLLM's default: its routes 403
 
 
 @pytest.mark.parametrize(("serving", "needle"), [
