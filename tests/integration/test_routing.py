@@ -188,7 +188,7 @@ def test_groups_with_distinct_prefixes_split_and_keep_affinity(http, cluster):
 def ingress_mode_app(cluster, cluster_config):
     # One engine behind two ingress replicas: two routers, one cache to agree on.
     deploy_app(cluster_config, INGRESS_APP, ["http.mode=ingress", "frontend.num_replicas=2",
-                                             "replicas.num_replicas=1"])
+                                             "replicas.num_replicas=1", "serving.enable_scale_out=true"])
     try:
         yield cluster.base_url + f"/{INGRESS_APP}"
     finally:
