@@ -22,7 +22,7 @@ from kvtide.config import KvtideConfig, parse_config
 from kvtide.deployments.frontend.engine_client import HandleEngineClient
 from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.frontend.app import build_frontend, build_openai_app
-from kvtide.deployments.frontend.vllm_layer import HandleVllmApp
+from kvtide.deployments.frontend.vllm_layer import HandleVllmApp, fleet_caller
 
 READY_TIMEOUT_S = 5.0
 
@@ -39,6 +39,7 @@ class Ingress:
             "ingress")
         # What kvtide's path does not implement goes whole to an engine replica's vLLM layer.
         self.frontend.vllm_app = HandleVllmApp(engine, self.frontend.vllm_routing_fields)
+        self.frontend.fleet_vllm = fleet_caller(engine)
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.frontend, self.api_keys, self._engine_ready)

@@ -27,6 +27,7 @@ from ray import serve
 from kvtide.deployments.engine.replica import EngineReplica
 from kvtide.deployments.engine.vllm_openai import system_fingerprint
 from kvtide.deployments.frontend.engine_client import LocalEngineClient
+from kvtide.deployments.frontend.vllm_layer import fleet_caller
 from kvtide.deployments.names import ROUTER_DEPLOYMENT
 from kvtide.deployments.frontend.app import build_frontend, build_openai_app
 
@@ -47,6 +48,10 @@ class EngineServer(EngineReplica):
         self.frontend.system_fingerprint = system_fingerprint(self.vllm_app)
         self.frontend.replica_id = self.replica_id
         self.frontend.engine_asleep = lambda: self.role.refuses_requests
+        # An abort reaches every replica of this deployment, this one included.
+        context = serve.get_replica_context()
+        self.frontend.fleet_vllm = fleet_caller(serve.get_deployment_handle(context.deployment,
+                                                                            app_name=context.app_name))
 
     def _requests_in_flight(self) -> int:
         # Every HTTP request holds an admission ticket while it runs (vLLM-layer ones too).

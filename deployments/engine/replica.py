@@ -342,6 +342,20 @@ class EngineReplica:
             self._in_flight -= 1
             task.cancel()
 
+    async def vllm_openai_answer(self, call: VllmLayerCall) -> tuple[int, bytes]:
+        """Handle method, broadcast to every replica (vllm_layer.fleet_caller): a request that must reach the
+        whole fleet (an abort: its requests may run on any replica) answered by this replica's vLLM layer, as
+        (status, body). A sleeping standby runs no request: nothing to do there."""
+        if self.role.refuses_requests:
+            return 200, b""
+        status, body = 500, b""
+        async for message in self.vllm_openai(call):
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                body += message.get("body", b"")
+        return status, body
+
     def _uncached_tokens(self, request: GenerateRequest) -> int:
         """The prompt tokens this replica must still compute for `request` (its own block set's view)."""
         cached_blocks = 0

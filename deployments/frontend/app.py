@@ -7,6 +7,7 @@
     POST /v1/messages/count_tokens, GET /v1/responses/{id},
          POST /v1/responses/{id}/cancel, POST /v1/{api}/render and
          /v1/{api}/derender  (vLLM's layer)                          API key when keys are set
+    POST /inference/v1/abort_requests  (every engine's vLLM layer)   API key when keys are set
     GET  /v1/models, /v1/models/{id}                                 API key when keys are set
     POST /tokenize, /detokenize   (vLLM's shapes)                    API key when keys are set
     GET  /version                 (the serving vLLM's version)        open
@@ -92,14 +93,15 @@ VLLM_PASSTHROUGH_ROUTES = (("GET", "/v1/responses/{response_id}", "responses"),
                            ("POST", "/v1/responses/render", "responses"),
                            ("POST", "/v1/chat/completions/derender", "chat"),
                            ("POST", "/v1/completions/derender", "completions"))
+# (method, path) of vLLM's requests every engine replica must act on: an abort names requests any
+# replica may be running, so it is sent to all of them (pipeline.vllm_fleet).
+VLLM_FLEET_ROUTES = (("POST", "/inference/v1/abort_requests"),)
 # The routes of vLLM's own server (for a generative model) that kvtide does not serve, and why.
 # Every other route of vLLM's app is served (a unit test compares with the installed vLLM's).
 VLLM_ROUTES_NOT_SERVED = {
     "/metrics": "kvtide's metrics are exported on Ray's metrics port, fleet-wide (the chart scrapes it)",
     "/load": "one replica's in-flight count; the fleet's load is kvtide's own metrics",
     "/kv_event_sources": "the engines' KV event endpoints are internal to kvtide's routing",
-    "/inference/v1/abort_requests": "an abort must reach the replica serving the request: closing the "
-                                    "request's connection aborts it, through kvtide as in vLLM",
     "/scale_elastic_ep": "elastic expert parallelism is an admin action; kvtide's autoscaler scales",
     "/is_scaling_elastic_ep": "elastic expert parallelism is an admin action; kvtide's autoscaler scales",
     "/ping": "SageMaker's container contract; kvtide's probes are /health and /ready",
@@ -194,6 +196,12 @@ def build_openai_app(frontend: OpenAIFrontend, api_keys: ApiKeys,
         keyed.add_api_route(path, generation(endpoint), methods=["POST"])
     for method, path, endpoint in VLLM_PASSTHROUGH_ROUTES:
         keyed.add_api_route(path, vllm_passthrough(endpoint), methods=[method])
+
+    async def vllm_fleet(request: Request) -> Any:
+        return await frontend.vllm_fleet(request)
+
+    for method, path in VLLM_FLEET_ROUTES:
+        keyed.add_api_route(path, vllm_fleet, methods=[method])
 
     @v1.get("/models")
     async def models() -> Any:

@@ -32,9 +32,10 @@ import traceback
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette._utils import get_route_path
 
 from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig
@@ -42,7 +43,7 @@ from kvtide.deployments.frontend.admission import AdmissionGate, Deadline, admis
 from kvtide.deployments.frontend.engine_client import EngineClient, EngineStream, timeout_error, unavailable_error
 from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.frontend.metrics import FrontendMetrics
-from kvtide.deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec
+from kvtide.deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec, VllmLayerCall
 from kvtide.deployments.frontend.prompts import (
     ROUTED_TOKENS_HEADER,
     Prompt,
@@ -66,7 +67,8 @@ from kvtide.deployments.routing.trust import (
 )
 from kvtide.deployments.frontend.sse import DONE, ChunkRenderer, error_event
 from kvtide.deployments.frontend.vllm_layer import (FIRST_TOKEN_MARKERS, VLLM_ONLY_ENDPOINTS, VllmLayerResponse,
-                                                    refuse_prompt_logprobs, vllm_layer_field)
+                                                    fleet_answer, names_its_request_id, refuse_prompt_logprobs,
+                                                    vllm_layer_field)
 
 logger = replica_logger("frontend")
 
@@ -140,6 +142,9 @@ class OpenAIFrontend:
         # vLLM's own OpenAI app (vllm_layer.py): it answers what kvtide's path does not implement.
         # Direct mode: the replica's own, in-process; ingress mode: an engine's, over the handle.
         self.vllm_app: Any = None
+        # Every engine replica's vLLM layer at once (vllm_layer.fleet_caller), for a request that must reach
+        # the replica running what it names (an abort); None until the deployment sets it.
+        self.fleet_vllm: Callable[[VllmLayerCall], Awaitable[list[Any]]] | None = None
         # vLLM's fingerprint of the serving engine (its layer's, so both paths report the same).
         self.system_fingerprint: str | None = None
         self.replica_id = ""  # the engine replica this frontend runs in (direct mode), named in x-kvtide-replica
@@ -184,7 +189,7 @@ class OpenAIFrontend:
                 streaming = True  # the response holds the ticket until it ends
                 return self.via_vllm(body, endpoint, ticket, deadline,
                                      model=served_model(data, self.model_name, self.prompts.adapters),
-                                     arrived_s=timing.arrived_s)
+                                     arrived_s=timing.arrived_s, own_request_id=names_its_request_id(data))
             routed_tokens = self._routed_tokens(request)
             prompt = self.prompts.build(endpoint, data, routed_tokens)
             response = await self._run(endpoint, prompt, deadline, ticket, timing,
@@ -212,14 +217,28 @@ class OpenAIFrontend:
             return error_response(unavailable_error(self.limits))
         return self.via_vllm(await self.prompts.read_body(request), endpoint, counted=False)
 
+    async def vllm_fleet(self, request: Any) -> Any:
+        """A request every engine replica's vLLM layer must act on (an abort names requests any replica may
+        run): sent to all of them, answered as vLLM answers it (vllm_layer.fleet_answer); 503 if none answered."""
+        answer = None
+        if self.fleet_vllm is not None:
+            scope = request.scope
+            call = VllmLayerCall(get_route_path(scope), tuple(scope["headers"]), await self.prompts.read_body(request))
+            answer = fleet_answer(await self.fleet_vllm(call))
+        if answer is None:
+            return error_response(unavailable_error(self.limits))
+        status, body = answer
+        return Response(body, status_code=status, media_type="application/json" if body else None)
+
     def via_vllm(self, body: bytes, endpoint: str, ticket: _Ticket | None = None,
                  deadline: Deadline | None = None, counted: bool = True, model: str | None = None,
-                 arrived_s: float | None = None) -> VllmLayerResponse:
+                 arrived_s: float | None = None, own_request_id: bool = False) -> VllmLayerResponse:
         """The request, body and all, answered by vLLM's own serving layer (vllm_layer.py).
 
         `counted`: a generation request, counted in the request metrics like kvtide's own, under
         `model` (a LoRA adapter's name, or the base model's). `arrived_s` (perf_counter): when the
         request arrived, so TTFT and e2e include reading its body, as on kvtide's own path.
+        `own_request_id`: the body names its request id (vllm_layer.names_its_request_id).
         """
         arrived_s = time.perf_counter() if arrived_s is None else arrived_s
         model = model or self.model_name
@@ -243,7 +262,7 @@ class OpenAIFrontend:
         response = VllmLayerResponse(self.vllm_app, body, deadline.remaining_s(time.monotonic()) if deadline else None,
                                      timeout_error(self.limits, "finish"), on_done,
                                      {"x-kvtide-replica": self.replica_id} if self.replica_id else None,
-                                     on_first_chunk, FIRST_TOKEN_MARKERS.get(endpoint))
+                                     on_first_chunk, FIRST_TOKEN_MARKERS.get(endpoint), own_request_id)
         if ticket is not None:  # a response the server drops without calling it still frees its slot
             weakref.finalize(response, ticket.release)
         return response

@@ -147,6 +147,16 @@ def refuse_prompt_logprobs(data: Any, endpoint: str, refused: bool) -> None:
                        param=field, code="invalid_value")
 
 
+def names_its_request_id(data: Any) -> bool:
+    """Whether a body sets vLLM's `request_id` (the engine's request id, which an abort names).
+
+    vLLM's layer takes an X-Request-Id header over it, and Ray Serve's HAProxy sets that header on
+    every request that lacks one: such a body is handed over without the header, so its own id
+    holds (a client sending both gets the body's, where vLLM would take the header's).
+    """
+    return isinstance(data, dict) and isinstance(data.get("request_id"), str)
+
+
 def _sse_error(message: str, code: str) -> bytes:
     body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
@@ -164,8 +174,10 @@ class VllmLayerResponse(Response):
 
     def __init__(self, app: Any, body: bytes, timeout_s: float | None, timeout_error: ApiError,
                  on_done: Callable[[int], None], extra_headers: dict[str, str] | None = None,
-                 on_first_chunk: Callable[[], None] = lambda: None, first_token_marker: bytes | None = None):
+                 on_first_chunk: Callable[[], None] = lambda: None, first_token_marker: bytes | None = None,
+                 drop_request_id_header: bool = False):
         super().__init__()
+        self.drop_request_id_header = drop_request_id_header  # names_its_request_id
         self.on_first_chunk, self.first_token_marker = on_first_chunk, first_token_marker
         self.app, self.body, self.timeout_s = app, body, timeout_s
         self.timeout_error, self.on_done = timeout_error, on_done
@@ -196,9 +208,12 @@ class VllmLayerResponse(Response):
             await send(message)
 
         status = 500
+        scope = dict(scope)
+        if self.drop_request_id_header:
+            scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"x-request-id"]
         try:
             async with asyncio.timeout(self.timeout_s):
-                await self.app(dict(scope), replay, tracked)
+                await self.app(scope, replay, tracked)
             status = started.get("status", 500)
         except TimeoutError:
             status = 504
@@ -247,3 +262,25 @@ class HandleVllmApp:
         except asyncio.CancelledError:
             response.cancel()  # aborts the request in the engine
             raise
+
+
+# A fleet-wide request (an abort) waits this long for every engine replica's answer.
+FLEET_CALL_TIMEOUT_S = 10.0
+FLEET_METHOD = "vllm_openai_answer"  # EngineReplica's handle method answering one such call
+
+
+def fleet_caller(handle: Any) -> Callable[[VllmLayerCall], Any]:
+    """A coroutine function: the call answered by every running engine replica's vLLM layer (Serve's
+    `broadcast`); each result is (status, body), or the exception of a replica that did not answer."""
+    async def call(request: VllmLayerCall) -> list[Any]:
+        return await handle.broadcast(FLEET_METHOD, request).results_async(
+            timeout_s=FLEET_CALL_TIMEOUT_S, return_exceptions=True)
+    return call
+
+
+def fleet_answer(results: list[Any]) -> tuple[int, bytes] | None:
+    """One answer for a request every replica answered: the first refusal (vLLM refuses a body, or a disabled
+    route, alike on every replica), else the first answer; None when no replica answered."""
+    answers = [r for r in results if isinstance(r, tuple)]
+    refusals = [a for a in answers if not 200 <= a[0] < 300]
+    return (refusals or answers or [None])[0]

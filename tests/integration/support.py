@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import shutil
 import socket
@@ -175,3 +176,21 @@ def running_prometheus(work: Path, scrape_configs: str, rule_files: list[str] = 
             proc.kill()
             proc.wait()
         log.close()
+
+
+def generated_until_aborted(client: httpx.Client, model: str, request_id: str,
+                            max_tokens: int) -> tuple[int, list[Any]]:
+    """A streamed tokens-in request aborted by /inference/v1/abort_requests once its first event arrived:
+    (tokens it generated, the finish reasons it reported)."""
+    body = {"model": model, "token_ids": [5, 6, 7], "request_id": request_id, "stream": True,
+            "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True}}
+    with client.stream("POST", "/inference/v1/generate", json=body) as resp:
+        assert resp.status_code == 200, resp.read()
+        data = (line[6:] for line in resp.iter_lines() if line.startswith("data: "))
+        events = [next(data)]
+        # vLLM's engine knows the request as generate-tokens-<request_id>
+        aborted = client.post("/inference/v1/abort_requests", json={"request_ids": [f"generate-tokens-{request_id}"]})
+        assert aborted.status_code == 200, aborted.text
+        events += list(data)
+    choices = [c for event in events if event != "[DONE]" for c in json.loads(event)["choices"]]
+    return sum(len(c.get("token_ids") or []) for c in choices), [c.get("finish_reason") for c in choices]

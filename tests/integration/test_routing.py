@@ -14,7 +14,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 import pytest
 from ray import serve
-from support import deploy_app, metric_sum, metric_values, wait_for
+from support import deploy_app, generated_until_aborted, metric_sum, metric_values, wait_for
 
 INGRESS_APP = "kvtide-ingress-mode"
 
@@ -227,7 +227,7 @@ def test_ingress_mode_serves_and_both_routers_make_cache_hit_decisions(ingress_m
 def test_ingress_mode_hands_what_its_own_path_lacks_to_an_engines_vllm_layer(ingress_mode_app, cluster):
     """In ingress mode a request with logprobs and n=2 (and a batch of prompts) is answered by vLLM's layer on an
     engine replica, reached over the engine handle, streamed or not; so are the Responses, Messages and tokens-in
-    APIs, and a GET of a stored response."""
+    APIs, an abort of a running tokens-in request, and a GET of a stored response."""
     body = {"model": INGRESS_APP, "prompt": "def fibonacci(n):", "max_tokens": 3, "n": 2, "logprobs": 2}
     with httpx.Client(base_url=ingress_mode_app, timeout=120) as http:
         answer = http.post("/v1/completions", json=body)
@@ -252,6 +252,8 @@ def test_ingress_mode_hands_what_its_own_path_lacks_to_an_engines_vllm_layer(ing
         generated = http.post("/inference/v1/generate", json={"model": INGRESS_APP, "token_ids": [5, 6, 7],
                                                               "sampling_params": {"max_tokens": 3, "ignore_eos": True}})
         assert generated.status_code == 200 and len(generated.json()["choices"][0]["token_ids"]) == 3, generated.text
+        tokens, reasons = generated_until_aborted(http, INGRESS_APP, "abort-ingress", 4000)
+        assert tokens < 4000 and "abort" in reasons, (tokens, reasons)  # the abort reached the engine running it
         # A GET reaches the engine's vLLM layer as a GET: its answer for an unknown id, as in direct mode.
         missing = http.get("/v1/responses/resp_missing")
         direct = httpx.get(f"{cluster.base_url}/v1/responses/resp_missing", timeout=60)

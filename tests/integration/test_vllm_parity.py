@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support import generated_until_aborted
 
 from kvtide.benchmarks.processes import (server_process, vllm_lora_flags, vllm_server_cmd, vllm_serving_flags,
                                          wait_ready)
@@ -390,3 +391,15 @@ def test_tokens_in_prompt_logprobs_are_refused_beside_lora_as_on_the_openai_rout
     body = {"model": "kvtide-demo", "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2, "prompt_logprobs": 1}}
     ours = kvtide.post("/inference/v1/generate", json=body)
     assert (ours.status_code, ours.json()["error"]["param"]) == (400, "sampling_params.prompt_logprobs"), ours.text
+
+
+def test_an_abort_ends_a_running_tokens_in_request_as_on_vllm(kvtide, bare_vllm):
+    """/inference/v1/abort_requests ends a running /inference/v1/generate stream early, reported as aborted, on both
+    servers; on kvtide the abort reaches every engine replica, so whichever one runs the request stops it."""
+    max_tokens = 4000
+    for name, client in (("kvtide", kvtide), ("vllm", bare_vllm)):
+        tokens, reasons = generated_until_aborted(client, "kvtide-demo", f"abort-parity-{name}", max_tokens)
+        assert tokens < max_tokens and "abort" in reasons, (name, tokens, reasons)
+    missing = kvtide.post("/inference/v1/abort_requests", json={"request_ids": ["no-such-request"]})
+    assert missing.status_code == bare_vllm.post("/inference/v1/abort_requests",
+                                                 json={"request_ids": ["no-such-request"]}).status_code

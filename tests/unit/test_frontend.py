@@ -92,11 +92,13 @@ async def _stand_in_vllm_layer(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
-def _app(keys: list[str] | None = None, engine=None, metrics: FakeMetrics | None = None, vllm_app=None):
+def _app(keys: list[str] | None = None, engine=None, metrics: FakeMetrics | None = None, vllm_app=None,
+         fleet=None):
     metrics = metrics or FakeMetrics()
     frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()), engine or _local_engine(),
                               metrics, None)
     frontend.vllm_app = vllm_app
+    frontend.fleet_vllm = fleet
 
     async def ready() -> bool:
         return True
@@ -126,7 +128,10 @@ def _recording_client(accepts_router_headers: bool = False) -> tuple[TestClient,
 def test_every_v1_route_needs_the_api_key():
     """Each /v1 route of the app and the tokenizer endpoints (enumerated, not listed by hand) answer 401 without
     a key, and the set is pinned; /version, /health and /ready stay open."""
-    client, _ = _app(keys=["sk-1"], vllm_app=_stand_in_vllm_layer)
+    async def fleet(call):
+        return [(200, b"")]
+
+    client, _ = _app(keys=["sk-1"], vllm_app=_stand_in_vllm_layer, fleet=fleet)
     open_paths = ("/version", "/health", "/ready")
     routes = [(r.path.replace("{model_id:path}", "m").replace("{response_id}", "r"), m) for r in client.app.routes
               if hasattr(r, "endpoint") and r.path not in open_paths and not r.path.startswith(("/docs", "/openapi",
@@ -139,7 +144,8 @@ def test_every_v1_route_needs_the_api_key():
         ("/v1/completions", "POST"), ("/v1/messages", "POST"), ("/v1/messages/count_tokens", "POST"),
         ("/v1/models", "GET"), ("/v1/models/m", "GET"), ("/v1/responses", "POST"), ("/v1/responses/r", "GET"),
         ("/v1/responses/r/cancel", "POST"), ("/v1/chat/completions/batch", "POST"), ("/inference/v1/generate", "POST"),
-        ("/generative_scoring", "POST"), ("/v1/systemone", "POST"), *renders, *derenders])
+        ("/generative_scoring", "POST"), ("/v1/systemone", "POST"), ("/inference/v1/abort_requests", "POST"),
+        *renders, *derenders])
     assert {path for path in (r.path for r in client.app.routes)} >= {"/version", "/health", "/ready"}
     assert client.get("/version").status_code == 200
     for path, method in routes:
@@ -167,6 +173,50 @@ def test_vllms_own_apis_are_handed_whole_to_its_layer_and_counted_under_their_en
         path = path.replace("{response_id}", "resp_1")
         assert client.request(method, path, json=body).json()["path"] == path
     assert metrics.endpoints == [(endpoint, 200) for endpoint in vllm_only.values()]
+
+
+def test_a_body_naming_its_request_id_keeps_it_over_haproxys_x_request_id():
+    """HAProxy sets x-request-id on every request, and vLLM's layer prefers that header to the body's request_id
+    (the engine's id an abort names): a body with a request_id reaches vLLM's layer without the header; one
+    without keeps it."""
+    seen = []
+
+    async def layer(scope, receive, send):
+        seen.append(dict(scope["headers"]).get(b"x-request-id"))
+        await _stand_in_vllm_layer(scope, receive, send)
+
+    client, _ = _app(vllm_app=layer)
+    body = {"model": "m", "token_ids": [1], "sampling_params": {}}
+    for extra in ({"request_id": "mine"}, {}):
+        assert client.post("/inference/v1/generate", json={**body, **extra},
+                           headers={"x-request-id": "haproxy-uuid"}).status_code == 200
+    assert seen == [None, b"haproxy-uuid"]
+
+
+def test_an_abort_reaches_every_engine_replica_and_is_answered_as_vllm_answers_it():
+    """POST /inference/v1/abort_requests goes to every replica's vLLM layer with its path and body: 200 when all
+    acted; a replica's refusal (vLLM's 400 or 403) is the answer; 503 (retry) when no replica answered."""
+    calls = []
+
+    def fleet(answers):
+        async def call(request):
+            calls.append(request)
+            return answers
+        return call
+
+    body = {"request_ids": ["generate-tokens-r1"]}
+    client, _ = _app(fleet=fleet([(200, b""), RuntimeError("replica gone")]))
+    resp = client.post("/inference/v1/abort_requests", json=body)
+    assert (resp.status_code, resp.content) == (200, b"")
+    assert (calls[0].path, json.loads(calls[0].body), calls[0].method) == ("/inference/v1/abort_requests", body, "POST")
+    refusal = b'{"error": {"message": "Scale-out endpoints are disabled", "code": 403}}'
+    client, _ = _app(fleet=fleet([(200, b""), (403, refusal)]))
+    resp = client.post("/inference/v1/abort_requests", json=body)
+    assert (resp.status_code, resp.content, resp.headers["content-type"]) == (403, refusal, "application/json")
+    for unanswered in (fleet([RuntimeError("replica gone")]), None):
+        client, _ = _app(fleet=unanswered)
+        resp = client.post("/inference/v1/abort_requests", json=body)
+        assert resp.status_code == 503 and resp.json()["error"]["type"], resp.text
 
 
 def test_every_route_of_vllms_app_is_served_or_left_out_on_purpose():
