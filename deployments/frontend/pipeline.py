@@ -215,7 +215,15 @@ class OpenAIFrontend:
         response), answered by its layer: no admission ticket, not in the request metrics."""
         if self.vllm_app is None:
             return error_response(unavailable_error(self.limits))
-        return self.via_vllm(await self.prompts.read_body(request), endpoint, counted=False)
+        return self.via_vllm(await self._json_body(request), endpoint, counted=False)
+
+    async def _json_body(self, request: Any) -> bytes:
+        """The body of a request for vLLM's layer, refused (400, OpenAI's shape) unless empty or JSON: vLLM's
+        app answers a malformed body with FastAPI's `{"detail": ...}`, not an error object."""
+        body = await self.prompts.read_body(request)
+        if body.strip():
+            parse_json_body(body)
+        return body
 
     async def vllm_fleet(self, request: Any) -> Any:
         """A request every engine replica's vLLM layer must act on (an abort names requests any replica may
@@ -223,7 +231,7 @@ class OpenAIFrontend:
         answer = None
         if self.fleet_vllm is not None:
             scope = request.scope
-            call = VllmLayerCall(get_route_path(scope), tuple(scope["headers"]), await self.prompts.read_body(request))
+            call = VllmLayerCall(get_route_path(scope), tuple(scope["headers"]), await self._json_body(request))
             answer = fleet_answer(await self.fleet_vllm(call))
         if answer is None:
             return error_response(unavailable_error(self.limits))

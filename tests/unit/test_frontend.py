@@ -175,6 +175,19 @@ def test_vllms_own_apis_are_handed_whole_to_its_layer_and_counted_under_their_en
     assert metrics.endpoints == [(endpoint, 200) for endpoint in vllm_only.values()]
 
 
+def test_a_malformed_body_for_vllms_layer_gets_kvtides_openai_error_not_fastapis_detail():
+    """Render, count_tokens and abort bodies that are not JSON are kvtide's 400 with an error object (vLLM's app
+    would answer FastAPI's {"detail": ...}); an empty body (a cancel) still reaches vLLM's layer."""
+    async def fleet(call):
+        return [(200, b"")]
+
+    client, _ = _app(vllm_app=_stand_in_vllm_layer, fleet=fleet)
+    for path in ("/v1/chat/completions/render", "/v1/messages/count_tokens", "/inference/v1/abort_requests"):
+        resp = client.post(path, content=b"\xafd\r", headers={"content-type": "application/json"})
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json", (path, resp.text)
+    assert client.post("/v1/responses/resp_1/cancel").json()["path"] == "/v1/responses/resp_1/cancel"
+
+
 def test_a_body_naming_its_request_id_keeps_it_over_haproxys_x_request_id():
     """HAProxy sets x-request-id on every request, and vLLM's layer prefers that header to the body's request_id
     (the engine's id an abort names): a body with a request_id reaches vLLM's layer without the header; one
