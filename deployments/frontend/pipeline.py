@@ -67,7 +67,7 @@ from kvtide.deployments.routing.trust import (
 )
 from kvtide.deployments.frontend.sse import DONE, ChunkRenderer, error_event
 from kvtide.deployments.frontend.vllm_layer import (FIRST_TOKEN_MARKERS, VLLM_ONLY_ENDPOINTS, VllmLayerResponse,
-                                                    fleet_answer, names_its_request_id, refuse_prompt_logprobs,
+                                                    check_abort_body, fleet_answer, names_its_request_id, refuse_prompt_logprobs,
                                                     vllm_layer_field)
 
 logger = replica_logger("frontend")
@@ -226,13 +226,16 @@ class OpenAIFrontend:
         return body
 
     async def vllm_fleet(self, request: Any) -> Any:
-        """A request every engine replica's vLLM layer must act on (an abort names requests any replica may
-        run): sent to all of them, answered as vLLM answers it (vllm_layer.fleet_answer); 503 if none answered."""
+        """An abort, which every engine replica's vLLM layer must act on (it names requests any replica may
+        run): checked here, sent to all of them, answered as vLLM answers it (vllm_layer.fleet_answer); 503
+        if none answered."""
         answer = None
         if self.fleet_vllm is not None:
+            body = await self.prompts.read_body(request)
+            check_abort_body(parse_json_body(body))
             scope = request.scope
-            call = VllmLayerCall(get_route_path(scope), tuple(scope["headers"]), await self._json_body(request))
-            answer = fleet_answer(await self.fleet_vllm(call))
+            answer = fleet_answer(await self.fleet_vllm(VllmLayerCall(get_route_path(scope), tuple(scope["headers"]),
+                                                                      body)))
         if answer is None:
             return error_response(unavailable_error(self.limits))
         status, body = answer

@@ -278,6 +278,20 @@ def fleet_caller(handle: Any) -> Callable[[VllmLayerCall], Any]:
     return call
 
 
+def check_abort_body(data: Any) -> None:
+    """400 (OpenAI's shape) for an abort body vLLM's layer would not act on: not an object, no `request_ids`
+    (vLLM's own 400, whose body is FastAPI's `{"detail": ...}`), or ids that are not a string or a list of
+    strings (vLLM answers 200 and its background abort fails)."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_value")
+    ids = data.get("request_ids")
+    if ids is None:
+        raise ApiError(400, "Missing 'request_ids' in request body", param="request_ids", code="invalid_value")
+    if not (isinstance(ids, str) or (isinstance(ids, list) and all(isinstance(i, str) for i in ids))):
+        raise ApiError(400, "'request_ids' must be a request id or a list of them (strings)", param="request_ids",
+                       code="invalid_value")
+
+
 def fleet_answer(results: list[Any]) -> tuple[int, bytes] | None:
     """One answer for a request every replica answered: the first refusal (vLLM refuses a body, or a disabled
     route, alike on every replica), else the first answer; None when no replica answered."""

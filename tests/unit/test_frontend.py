@@ -149,7 +149,8 @@ def test_every_v1_route_needs_the_api_key():
     assert {path for path in (r.path for r in client.app.routes)} >= {"/version", "/health", "/ready"}
     assert client.get("/version").status_code == 200
     for path, method in routes:
-        body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}], "tokens": [1]}
+        body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}], "tokens": [1],
+                "request_ids": ["r"]}
         resp = client.request(method, path, json=body)
         assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", (path, resp.text)
         ok = client.request(method, path, json=body, headers={"Authorization": "Bearer sk-1"})
@@ -208,7 +209,8 @@ def test_a_body_naming_its_request_id_keeps_it_over_haproxys_x_request_id():
 
 def test_an_abort_reaches_every_engine_replica_and_is_answered_as_vllm_answers_it():
     """POST /inference/v1/abort_requests goes to every replica's vLLM layer with its path and body: 200 when all
-    acted; a replica's refusal (vLLM's 400 or 403) is the answer; 503 (retry) when no replica answered."""
+    acted; a replica's refusal (vLLM's 400 or 403) is the answer; 503 (retry) when no replica answered. A body
+    vLLM would not act on (not an object, no request_ids, ids not strings) is kvtide's 400 naming the field."""
     calls = []
 
     def fleet(answers):
@@ -226,6 +228,9 @@ def test_an_abort_reaches_every_engine_replica_and_is_answered_as_vllm_answers_i
     client, _ = _app(fleet=fleet([(200, b""), (403, refusal)]))
     resp = client.post("/inference/v1/abort_requests", json=body)
     assert (resp.status_code, resp.content, resp.headers["content-type"]) == (403, refusal, "application/json")
+    for bad, param in (([1], None), ({}, "request_ids"), ({"request_ids": [1]}, "request_ids")):
+        resp = client.post("/inference/v1/abort_requests", json=bad)
+        assert (resp.status_code, resp.json()["error"]["param"]) == (400, param), resp.text
     for unanswered in (fleet([RuntimeError("replica gone")]), None):
         client, _ = _app(fleet=unanswered)
         resp = client.post("/inference/v1/abort_requests", json=body)
