@@ -67,8 +67,8 @@ from kvtide.deployments.routing.trust import (
 )
 from kvtide.deployments.frontend.sse import DONE, ChunkRenderer, error_event
 from kvtide.deployments.frontend.vllm_layer import (FIRST_TOKEN_MARKERS, VLLM_ONLY_ENDPOINTS, VllmLayerResponse,
-                                                    check_abort_body, fleet_answer, names_its_request_id, refuse_prompt_logprobs,
-                                                    vllm_layer_field)
+                                                    check_abort_body, fleet_answer, names_its_request_id,
+                                                    refuse_prompt_logprobs, vllm_layer_field)
 
 logger = replica_logger("frontend")
 

@@ -167,7 +167,8 @@ def test_vllms_own_apis_are_handed_whole_to_its_layer_and_counted_under_their_en
     metrics = FakeMetrics()
     client, _ = _app(metrics=metrics, vllm_app=_stand_in_vllm_layer)
     body = {"model": "m", "input": "hi", "max_tokens": 4}
-    vllm_only = {path: endpoint for path, endpoint in GENERATION_ROUTES.items() if endpoint not in ("chat", "completions")}
+    vllm_only = {path: endpoint for path, endpoint in GENERATION_ROUTES.items()
+                 if endpoint not in ("chat", "completions")}
     for path in vllm_only:
         assert client.post(path, json=body).json() == {"method": "POST", "path": path, "body": body}
     for method, path, _ in VLLM_PASSTHROUGH_ROUTES:
