@@ -45,6 +45,7 @@ DEADLINE_S = 4
 WARM_PROMPT_TOKENS = 3500
 SOAK_REQUESTS = 2000
 FUZZ_CONCURRENCY = 16
+MODEL_RUNNER = "model runner"  # the soak's name for vLLM's worker process (VLLM::Worker)
 # The fuzz cases' seed, fixed: Hypothesis's derandomized seed follows the source around the test, so any
 # edit nearby drew a new set of cases and could surface an old bug in an unrelated change's CI run.
 FUZZ_SEED = 7
@@ -542,7 +543,10 @@ def test_soak_2000_mixed_requests_no_errors_kv_drains_and_rss_is_flat(cluster, c
                     rss[f"{dep} actor {pid}"] = psutil.Process(pid).memory_info().rss / 2**20
                     for child in psutil.Process(pid).children(recursive=True):
                         try:
-                            rss[f"{dep} child {child.pid} ({child.name()})"] = child.memory_info().rss / 2**20
+                            # vLLM's model runner is the engine core's child: named by its place in the
+                            # tree, as its process title (VLLM::Worker) is at times never set.
+                            role = MODEL_RUNNER if child.ppid() != pid else child.name()
+                            rss[f"{dep} child {child.pid} ({role})"] = child.memory_info().rss / 2**20
                         except psutil.NoSuchProcess:
                             pass
             samples.append((finished[0], rss))
@@ -605,13 +609,13 @@ def test_soak_2000_mixed_requests_no_errors_kv_drains_and_rss_is_flat(cluster, c
           + "\n".join(f"  RSS {key}: {a:.0f} -> {b:.0f} MiB ({g:+.2%})" for key, (a, b, g) in growth.items()))
     assert outcomes == Counter({"ok": n}), outcomes
     # kvtide's processes (the replicas, their engine cores) must stay flat. vLLM's CPU model
-    # runner (VLLM::Worker) is bounded apart and looser: its torch allocator keeps growing
-    # for new batch shapes well past the warm-up (+12.6 % on one fresh-clone run, with every
-    # kvtide process within +0.2 %), which made the deployment total fail 5 % by chance.
+    # runner is bounded apart and looser: its torch allocator keeps growing for new batch
+    # shapes well past the warm-up while every kvtide process stays flat
+    # (benchmarks/results/reliability.md), so a deployment total could fail 5 % by chance.
     for key, (_, _, g) in growth.items():
         if " child " not in key and " actor " not in key:
             continue  # deployment totals: the per-process bounds below cover them
-        bound = 0.25 if "VLLM::Worker" in key else 0.05
+        bound = 0.25 if f"({MODEL_RUNNER})" in key else 0.05
         assert g < bound, f"{key} RSS grew {g:.1%} from the first to the last quarter (bound {bound:.0%})"
 
 
