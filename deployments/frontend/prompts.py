@@ -263,8 +263,6 @@ class PromptBuilder:
                 if isinstance(prompt, str):
                     token_ids = self.text_tokens(prompt)
                 else:
-                    # The client's list as sent: route it only if it is token ids of this vocabulary
-                    # (the routed-tokens header packs them as uint32); vLLM answers the rest with a 400.
                     token_ids = self._vocabulary_ids(prompt)
         except Exception:  # anything vLLM would refuse, it refuses itself on the replica
             return None
