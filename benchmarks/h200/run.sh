@@ -114,6 +114,10 @@ FLEET_8B=(--set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8
   --set engine.kv_cache_memory_bytes="${ROUTING_KV_BYTES:-6442450944}" --set engine.max_model_len=8192 --set engine.max_num_seqs=64
   --set engine.max_num_batched_tokens=8192 --set http.port=8300 --set metrics.port=8390)
 
+gpu_label() {  # "N × <GPU name>" as nvidia-smi names it (the kind lent may be an H100 or an H200); $1: N used
+  echo "${1:-$(nvidia-smi -L | wc -l)} × $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+}
+
 build_8b() {
   python3 "$REPO/benchmarks/h200/build_model.py" /tmp/models/llama-8b-shape > "$W/build-8b.log" 2>&1 || { tail "$W/build-8b.log"; exit 1; }
 }
@@ -157,7 +161,7 @@ compare() {  # out name, policies, workload, rates, extra args...
       --policies "$policies" --workload "$workload" --rate "$rates" --duration "${DURATION:-15}" \
       --tokenizer /tmp/models/llama-8b-shape --slo-ttft-s 1.0 --metrics-settle 20 --drain-timeout 20 --no-progress \
       --repeats "${REPEATS:-1}" \
-      --hardware "$(nvidia-smi -L | wc -l) × NVIDIA H200, $ROUTING_REPLICAS engine replicas of a Llama-3.1-8B-shaped model (random weights)${ROUTING_SET:+ ($ROUTING_SET)}, $ROUTING_SHARE GPU and $(( ${ROUTING_KV_BYTES:-6442450944} / 1073741824 )) GiB KV each, vLLM $(python3 -c 'import vllm; print(vllm.__version__)' 2>/dev/null)" \
+      --hardware "$(gpu_label), $ROUTING_REPLICAS engine replicas of a Llama-3.1-8B-shaped model (random weights)${ROUTING_SET:+ ($ROUTING_SET)}, $ROUTING_SHARE GPU and $(( ${ROUTING_KV_BYTES:-6442450944} / 1073741824 )) GiB KV each, vLLM $(python3 -c 'import vllm; print(vllm.__version__)' 2>/dev/null)" \
       --out "$RES/$name" "$@" > "$RES/$name/compare.log" 2>&1
   echo "$name: exit $?" >> "$RES/driver-notes.txt"
 }
@@ -232,7 +236,7 @@ autoscale)  # AUTOSCALE_GPU_SHARE: GPU per replica (0.5 = two per GPU on the x2;
       --set engine.kv_cache_memory_bytes="$kv" --set autoscaling.max_step=3 \
       --set http.port=8300 --set metrics.port=8390 --variants "${VARIANTS:-kv,queue_length,kv-cold,fixed-max}" \
       --high-rate "${HIGH_RATE:-20}" --queue-target-ongoing "${QUEUE_TARGET:-2}" --warm-caches ${TRACE_ARGS:-} \
-      --hardware "$ngpu × NVIDIA H200, $what, $amin to $amax replicas ($share GPU and $((kv / 1048576)) MiB of KV each)" \
+      --hardware "$(gpu_label), $what, $amin to $amax replicas ($share GPU and $((kv / 1048576)) MiB of KV each)" \
       --out-dir "$RES/autoscale" > "$RES/autoscale.log" 2>&1
   echo "autoscale: exit $?" >> "$RES/driver-notes.txt"
   kill $stacks
@@ -246,7 +250,7 @@ standby)
   fleet=(--set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape --set engine.max_model_len=8192
          --set resources.gpus_per_worker="$share" --set engine.gpu_memory_utilization=null
          --set http.port=8300 --set metrics.port=8390)
-  hw="$ngpu × NVIDIA H200, Llama-3.1-8B shape, $share GPU per replica"
+  hw="$(gpu_label), Llama-3.1-8B shape, $share GPU per replica"
   # What a sleeping engine holds: each GPU process's memory and each engine process's RSS, every 2 s.
   ( while true; do ts=$(date +%s); gpu_of_pids | sed "s/^/$ts gpu /"
       ps -eo pid,ppid,rss,args | grep -E "VLLM|EngineCore|ServeReplica" | grep -v grep | cut -c1-120 | sed "s/^/$ts ps /"
@@ -329,7 +333,7 @@ overhead-demo)
   CUDA_VISIBLE_DEVICES=0 python3 -m kvtide.benchmarks.overhead --config "$REPO/config/presets/gpu-demo.yaml" \
       --servers "${SERVERS:-kvtide,kvtide-ingress,vllm}" --concurrency "${CONCURRENCY:-1,16,64}" \
       --num-requests "${NUM_REQUESTS:-200}" \
-      --duration "${OVERHEAD_DURATION:-60}" --input-len 512 --output-len 128 --hardware "NVIDIA H200 (one GPU), demo model" \
+      --duration "${OVERHEAD_DURATION:-60}" --input-len 512 --output-len 128 --hardware "$(gpu_label 1), demo model" \
       --no-progress --out-dir "$RES/overhead-demo" > "$RES/overhead-demo.log" 2>&1
   tail -15 "$RES/overhead-demo/report.md"
   ;;
@@ -349,7 +353,7 @@ overhead-8b|overhead-8b-inline|overhead-8b-peer|overhead-8b-peers2)
       --set engine.gpu_memory_utilization=0.85 --set engine.max_num_seqs=128 "${extra[@]}" \
       --servers "$servers" --concurrency "$conc" --num-requests "${NUM_REQUESTS:-200}" \
       --duration "${OVERHEAD_DURATION:-60}" --input-len 512 --output-len 128 --ttft-paths "${TTFT_PATHS:-0}" \
-      --hardware "NVIDIA H200 (one GPU), Llama-3.1-8B shape, random weights" \
+      --hardware "$(gpu_label 1), Llama-3.1-8B shape, random weights" \
       --no-progress --out-dir "$RES/$1" > "$RES/$1.log" 2>&1
   tail -15 "$RES/$1/report.md"
   ;;
