@@ -67,6 +67,11 @@ class ServingConfig(Strict):
     enable_scale_out: bool = Field(
         False, description="vLLM's tokens-in/out endpoints: /v1/{api}/render, /v1/{api}/derender and "
                            "/inference/v1/generate (off, as in vLLM: they answer 403).")
+    responses_store: bool = Field(
+        False, description="vLLM's Responses store (VLLM_ENABLE_RESPONSES_API_STORE): /v1/responses keeps what "
+                           "it answers in the engine replica that made it (store, previous_response_id, background, "
+                           "GET and cancel by id; in memory, never evicted, as in vLLM); kvtide routes a request "
+                           "naming a response to that replica. Off, as in vLLM: store is ignored.")
     structured_outputs: StructuredOutputsSettings = Field(default_factory=StructuredOutputsSettings)
     extra_args: dict[str, Any] = Field(
         default_factory=dict,

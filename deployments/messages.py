@@ -102,6 +102,9 @@ class RoutingKey:
     # The router's prediction for its pick (routing.trust.write_prediction), read by the routing
     # peer once choose_replica returns; the same slot as GenerateRequest.decision.
     decision: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # The replica holding the stored response this request continues (routing.response_pins):
+    # every router sends it there while that replica runs (routing.ray_router.pinned_rank).
+    pinned_replica: str | None = None
 
 
 @dataclass
@@ -140,3 +143,4 @@ class VllmLayerCall:
     session_key: str | None = None
     prompt: str | None = None
     decision: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    pinned_replica: str | None = None  # as RoutingKey's: a stored response's replica

@@ -37,6 +37,7 @@ from kvtide.config import KvtideConfig, parse_config
 from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.messages import RoutingKey
 from kvtide.deployments.frontend.prompt_pool import PromptPool
+from kvtide.deployments.routing.response_pins import previous_response_owner
 from kvtide.deployments.frontend.prompts import SESSION_HEADER, Prompt, PromptBuilder, load_tokenizer, session_key
 from kvtide.deployments.frontend.routing_key import PromptRouting, prompt_block_hashes
 from kvtide.deployments.routing.trust import prediction_header
@@ -70,7 +71,8 @@ class RouterPeer:
             self.routing.observe(token_ids, hashes, prompt.request.cache_salt)
         key = RoutingKey(block_hashes=hashes,
                          session_key=session_key(prompt, session_header),
-                         prompt=self.routing.prompt_text(token_ids))
+                         prompt=self.routing.prompt_text(token_ids),
+                         pinned_replica=previous_response_owner(body))
         async with self.engine.choose_replica(key, _reserve=False) as selection:
             replica_id = selection._replica.replica_id.to_full_id_str()
         # HAProxy sets these headers on the request it forwards: the replica skips tokenizing

@@ -25,9 +25,8 @@ from __future__ import annotations
 from ray import serve
 
 from kvtide.deployments.engine.replica import EngineReplica
-from kvtide.deployments.engine.vllm_openai import system_fingerprint
 from kvtide.deployments.frontend.engine_client import LocalEngineClient
-from kvtide.deployments.frontend.vllm_layer import fleet_caller
+from kvtide.deployments.frontend.vllm_layer import HandleVllmApp, fleet_caller
 from kvtide.deployments.names import ROUTER_DEPLOYMENT
 from kvtide.deployments.frontend.app import build_frontend, build_openai_app
 
@@ -45,13 +44,15 @@ class EngineServer(EngineReplica):
         self.frontend.accepts_router_headers = True  # the routing peer's tokens, set by HAProxy: tokenize once
         # vLLM's own OpenAI layer on this engine answers what kvtide's path does not implement.
         self.frontend.vllm_app = self.vllm_app
-        self.frontend.system_fingerprint = system_fingerprint(self.vllm_app)
+        self.frontend.system_fingerprint = self.system_fingerprint
         self.frontend.replica_id = self.replica_id
         self.frontend.engine_asleep = lambda: self.role.refuses_requests
         # An abort reaches every replica of this deployment, this one included.
         context = serve.get_replica_context()
-        self.frontend.fleet_vllm = fleet_caller(serve.get_deployment_handle(context.deployment,
-                                                                            app_name=context.app_name))
+        fleet = serve.get_deployment_handle(context.deployment, app_name=context.app_name)
+        self.frontend.fleet_vllm = fleet_caller(fleet)
+        if self.config.serving.responses_store:  # a GET or cancel of a response another replica holds goes there
+            self.frontend.owner_vllm_app = HandleVllmApp(fleet, lambda body: {})
 
     def _requests_in_flight(self) -> int:
         # Every HTTP request holds an admission ticket while it runs (vLLM-layer ones too).

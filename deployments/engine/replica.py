@@ -40,7 +40,9 @@ from kvtide.deployments.routing.trust import exclusive_hit_tokens, read_predicti
 from kvtide.deployments.engine.pending_prefill import PendingPrefill
 from kvtide.deployments.engine.standby import ROLE_POLL_S, EngineRole
 from kvtide.deployments.engine.start_phases import WAKE_PHASE, describe, start_phases
-from kvtide.deployments.engine.vllm_openai import build_vllm_openai_app
+from kvtide.deployments.engine.vllm_openai import build_vllm_openai_app, system_fingerprint
+from kvtide.deployments.engine.response_ids import tagging_app
+from kvtide.deployments.routing.response_pins import STORE_ENV
 
 logger = replica_logger("engine")
 
@@ -101,6 +103,8 @@ class EngineReplica:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = claim_threads_bind(
                 _replica_rank(), self.config.engine.tensor_parallel_size, sorted(os.sched_getaffinity(0)),
                 self.core_claims)
+        if self.config.serving.responses_store:  # read by vLLM's layer when it is built, below
+            os.environ[STORE_ENV] = "1"
         kwargs = engine_kwargs(self.config, resolve_model(self.config.model))
         # Cache truth for the router: vLLM publishes KV events on a per-replica IPC socket,
         # a listener thread folds them into a block set in kvtide hashes.
@@ -136,6 +140,9 @@ class EngineReplica:
         # vLLM's own OpenAI app on this engine, for the requests kvtide's path does not implement
         # (the frontend hands them over in-process in direct mode, over `vllm_openai` in ingress mode).
         self.vllm_app = await build_vllm_openai_app(self.config, self.engine)
+        self.system_fingerprint = system_fingerprint(self.vllm_app)
+        if self.config.serving.responses_store:  # each stored response's id names this replica
+            self.vllm_app = tagging_app(self.vllm_app, self.replica_id)
         # The engine-core processes this replica started, for the health check and the CPU pin.
         self.engine_core_pids = engine_core_pids(self.engine)
         self.core_pin = engine_core_pin(self.config.resources.device, self.engine_core_pids)

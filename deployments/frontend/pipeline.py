@@ -65,6 +65,7 @@ from kvtide.deployments.routing.trust import (
     read_prediction,
     write_prediction,
 )
+from kvtide.deployments.routing.response_pins import response_owner
 from kvtide.deployments.frontend.sse import DONE, ChunkRenderer, error_event
 from kvtide.deployments.frontend.vllm_layer import (FIRST_TOKEN_MARKERS, VLLM_ONLY_ENDPOINTS, VllmLayerResponse,
                                                     check_abort_body, fleet_answer, names_its_request_id,
@@ -145,6 +146,9 @@ class OpenAIFrontend:
         # Every engine replica's vLLM layer at once (vllm_layer.fleet_caller), for a request that must reach
         # the replica running what it names (an abort); None until the deployment sets it.
         self.fleet_vllm: Callable[[VllmLayerCall], Awaitable[list[Any]]] | None = None
+        # Direct mode with serving.responses_store: the engine deployment's vLLM layer over a handle, pinned
+        # to the replica holding the stored response a request names (routing.response_pins); None: never forward.
+        self.owner_vllm_app: Any = None
         # vLLM's fingerprint of the serving engine (its layer's, so both paths report the same).
         self.system_fingerprint: str | None = None
         self.replica_id = ""  # the engine replica this frontend runs in (direct mode), named in x-kvtide-replica
@@ -189,7 +193,8 @@ class OpenAIFrontend:
                 streaming = True  # the response holds the ticket until it ends
                 return self.via_vllm(body, endpoint, ticket, deadline,
                                      model=served_model(data, self.model_name, self.prompts.adapters),
-                                     arrived_s=timing.arrived_s, own_request_id=names_its_request_id(data))
+                                     arrived_s=timing.arrived_s, own_request_id=names_its_request_id(data),
+                                     path=get_route_path(request.scope))
             routed_tokens = self._routed_tokens(request)
             prompt = self.prompts.build(endpoint, data, routed_tokens)
             response = await self._run(endpoint, prompt, deadline, ticket, timing,
@@ -215,7 +220,8 @@ class OpenAIFrontend:
         response), answered by its layer: no admission ticket, not in the request metrics."""
         if self.vllm_app is None:
             return error_response(unavailable_error(self.limits))
-        return self.via_vllm(await self._json_body(request), endpoint, counted=False)
+        return self.via_vllm(await self._json_body(request), endpoint, counted=False,
+                             path=get_route_path(request.scope))
 
     async def _json_body(self, request: Any) -> bytes:
         """The body of a request for vLLM's layer, refused (400, OpenAI's shape) unless empty or JSON: vLLM's
@@ -243,13 +249,14 @@ class OpenAIFrontend:
 
     def via_vllm(self, body: bytes, endpoint: str, ticket: _Ticket | None = None,
                  deadline: Deadline | None = None, counted: bool = True, model: str | None = None,
-                 arrived_s: float | None = None, own_request_id: bool = False) -> VllmLayerResponse:
+                 arrived_s: float | None = None, own_request_id: bool = False, path: str = "") -> VllmLayerResponse:
         """The request, body and all, answered by vLLM's own serving layer (vllm_layer.py).
 
         `counted`: a generation request, counted in the request metrics like kvtide's own, under
         `model` (a LoRA adapter's name, or the base model's). `arrived_s` (perf_counter): when the
         request arrived, so TTFT and e2e include reading its body, as on kvtide's own path.
-        `own_request_id`: the body names its request id (vllm_layer.names_its_request_id).
+        `own_request_id`: the body names its request id (vllm_layer.names_its_request_id). `path`: the
+        request's, which may name a stored response another replica holds (`owner_vllm_app`).
         """
         arrived_s = time.perf_counter() if arrived_s is None else arrived_s
         model = model or self.model_name
@@ -270,13 +277,22 @@ class OpenAIFrontend:
             if counted:
                 self.metrics.ttft_s.observe(time.perf_counter() - arrived_s, tags)
 
-        response = VllmLayerResponse(self.vllm_app, body, deadline.remaining_s(time.monotonic()) if deadline else None,
+        response = VllmLayerResponse(self._vllm_app_for(path, body), body, deadline.remaining_s(time.monotonic()) if deadline else None,
                                      timeout_error(self.limits, "finish"), on_done,
                                      {"x-kvtide-replica": self.replica_id} if self.replica_id else None,
                                      on_first_chunk, FIRST_TOKEN_MARKERS.get(endpoint), own_request_id)
         if ticket is not None:  # a response the server drops without calling it still frees its slot
             weakref.finalize(response, ticket.release)
         return response
+
+    def _vllm_app_for(self, path: str, body: bytes) -> Any:
+        """This replica's vLLM layer, or `owner_vllm_app` for a request naming a stored response another
+        replica holds: a GET or cancel reaches any replica in direct mode (only POSTs consult the peer)."""
+        if self.owner_vllm_app is not None:
+            owner = response_owner(path, body)
+            if owner is not None and owner != self.replica_id:
+                return self.owner_vllm_app
+        return self.vllm_app
 
     def vllm_routing_fields(self, body: bytes) -> dict[str, Any]:
         """A request vLLM's layer answers, as the engine deployment's router sees it (ingress mode):

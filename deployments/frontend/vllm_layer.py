@@ -27,6 +27,7 @@ from starlette._utils import get_route_path
 from starlette.responses import Response
 
 from kvtide.deployments.frontend.protocol import MAX_CHOICES, ApiError
+from kvtide.deployments.routing.response_pins import response_owner
 from kvtide.deployments.frontend.unsupported import NOT_HONOURED, first_unhonoured
 from kvtide.deployments.messages import VllmLayerCall
 
@@ -244,7 +245,9 @@ class HandleVllmApp:
     """Ingress mode's vLLM layer: an ASGI app that has an engine replica's `vllm_openai` answer the request.
 
     `route(body)` gives the call's routing fields (block hashes, session key), so the engine
-    deployment's request router places it as it places a GenerateRequest.
+    deployment's request router places it as it places a GenerateRequest; a request naming a
+    stored response is pinned to the replica holding it (routing.response_pins.response_owner). Direct
+    mode uses one too, to send such a request on to that replica.
     """
 
     def __init__(self, handle: Any, route: Callable[[bytes], dict[str, Any]]):
@@ -253,8 +256,9 @@ class HandleVllmApp:
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         body = (await receive())["body"]  # VllmLayerResponse replays the whole body in one message
-        call = VllmLayerCall(get_route_path(scope), tuple(scope["headers"]), body, scope["method"],
-                             scope.get("query_string", b""), **self.route(body))
+        path = get_route_path(scope)
+        call = VllmLayerCall(path, tuple(scope["headers"]), body, scope["method"], scope.get("query_string", b""),
+                             pinned_replica=response_owner(path, body), **self.route(body))
         response = self.handle.options(stream=True).vllm_openai.remote(call)
         try:
             async for message in response:

@@ -31,12 +31,13 @@ from typing import Any, List, Optional
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from kvtide.deployments.routing.ray_router import is_pick_only, routable
+from kvtide.deployments.routing.ray_router import is_pick_only, pinned_rank, routable
 from kvtide.deployments.routing.pick_load import PickOnlyLoad
 
 
 class PickOnlyShortestQueue:
-    """Mixin (before Ray's router in the bases): pick-only calls get one replica, the shortest queue."""
+    """Mixin (before Ray's router in the bases): a pinned request its replica (ray_router.pinned_rank);
+    pick-only calls get one replica, the shortest queue."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         super().initialize_state(**kwargs)
@@ -49,6 +50,8 @@ class PickOnlyShortestQueue:
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        if (pinned := pinned_rank(candidate_replicas, pending_request)) is not None:
+            return pinned
         ranks = await super().choose_replicas(routable(candidate_replicas), pending_request)
         if not is_pick_only(pending_request):
             return ranks

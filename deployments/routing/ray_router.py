@@ -148,6 +148,25 @@ def routable(candidates: List[RunningReplica]) -> List[RunningReplica]:
     return serving or candidates
 
 
+def _pinned_replica(pending_request: Optional[PendingRequest]) -> str | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    return getattr(pending_request.args[0], "pinned_replica", None) or None
+
+
+def pinned_rank(candidates: List[RunningReplica],
+                pending_request: Optional[PendingRequest]) -> List[List[RunningReplica]] | None:
+    """Every router's first step: a request pinned to a replica (the one holding the stored response it
+    names, routing.response_pins) goes there while that replica is a candidate, whatever the policy and
+    its load; None: the policy routes it (no pin, or the replica is gone, and its store with it)."""
+    pinned = _pinned_replica(pending_request)
+    if pinned is not None:
+        for replica in candidates:
+            if _replica_id(replica.replica_id) == pinned:
+                return [[replica]]
+    return None
+
+
 class PrefixAwareRouter(FIFOMixin, RequestRouter):
     """kvtide's router: cache affinity from the engines' own KV events, under a load guard."""
 
@@ -199,6 +218,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        if (pinned := pinned_rank(candidate_replicas, pending_request)) is not None:
+            return pinned
         started_ns = time.perf_counter_ns()
         now_s = time.monotonic()
         candidate_replicas = routable(candidate_replicas)
@@ -246,6 +267,8 @@ class RoundRobinRouter(FIFOMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        if (pinned := pinned_rank(candidate_replicas, pending_request)) is not None:
+            return pinned
         if not candidate_replicas:
             return []
         ordered = sorted(routable(candidate_replicas), key=lambda r: _replica_id(r.replica_id))
