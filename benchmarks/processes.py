@@ -22,6 +22,7 @@ import httpx
 
 from kvtide.config.lora import LoraConfig
 from kvtide.config.serving import ServingConfig
+from kvtide.deployments.routing.response_pins import STORE_ENV
 
 READY_TIMEOUT_S = 300.0
 
@@ -80,6 +81,11 @@ def vllm_serving_flags(serving: ServingConfig) -> list[str]:
             continue
         flags += [flag] if value is True else [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return flags
+
+
+def vllm_serving_env(serving: ServingConfig) -> dict[str, str]:
+    """What kvtide's `serving:` section sets that `vllm serve` takes as environment (the Responses store)."""
+    return {STORE_ENV: "1"} if serving.responses_store else {}
 
 
 # How long a stopped server's process group gets to exit after its leader did (or was

@@ -8,7 +8,7 @@ vLLM layer, so a follow-up must reach the replica holding the response, or it is
 Stateless, so every routing peer and ingress agrees without sharing a table: the replica
 gives each response it stores an id that names the replica,
 
-    resp_<replica>-<32 hex>     (vLLM's own ids are resp_<32 hex>)
+    resp_<replica>-<32 hex>     (vLLM's own ids are resp_<16 hex>)
 
 (engine/response_ids.py), and whoever routes a request that names a response reads the replica
 off the id and pins the request to it (`pinned_replica` on RoutingKey / VllmLayerCall;

@@ -16,6 +16,8 @@ import pytest
 from ray import serve
 from support import deploy_app, generated_until_aborted, metric_sum, metric_values, wait_for
 
+from kvtide.deployments.routing.response_pins import owner_of
+
 INGRESS_APP = "kvtide-ingress-mode"
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
@@ -52,6 +54,34 @@ def test_a_responses_conversation_with_a_session_header_stays_on_one_replica(htt
         assert resp.status_code == 200, resp.text
         replicas.add(resp.headers["x-kvtide-replica"])
     assert len(replicas) == 1, replicas
+
+
+def test_a_stored_responses_follow_ups_reach_the_replica_that_holds_it(http, cluster):
+    """serving.responses_store on a fleet of two: each stored response's id names the replica that made it; turns
+    continuing it (previous_response_id) run there, and a GET or cancel of it is answered from its store whichever
+    replica HAProxy hands the request (without the pin about half of them would be vLLM's 404)."""
+    previous, ids, input_tokens = None, [], []
+    for turn in range(5):
+        body = {"model": cluster.model_name, "input": f"turn {turn}: go on", "max_output_tokens": 2,
+                **({"previous_response_id": previous} if previous else {})}
+        resp = http.post("/v1/responses", json=body)
+        assert resp.status_code == 200, resp.text
+        answer = resp.json()
+        assert owner_of(answer["id"]) == resp.headers["x-kvtide-replica"], (answer["id"], resp.headers)
+        previous = answer["id"]
+        ids.append(previous)
+        input_tokens.append(answer["usage"]["input_tokens"])
+    assert len({owner_of(i) for i in ids}) == 1, ids  # every turn on the replica holding the conversation
+    assert input_tokens == sorted(input_tokens) and input_tokens[-1] > input_tokens[0], input_tokens  # history kept
+    receivers = set()
+    for i in range(8):  # GETs skip the routing peer: HAProxy alternates them over both (least connections)
+        got = http.get(f"/v1/responses/{ids[i % len(ids)]}")
+        assert got.status_code == 200 and got.json()["id"] == ids[i % len(ids)], got.text
+        receivers.add(got.headers["x-kvtide-replica"])
+    assert len(receivers) == 2, receivers  # so the other replica's GETs were answered from the owner's store
+    for response_id in ids[:2]:  # found (a finished response cannot be cancelled), not vLLM's 404
+        cancel = http.post(f"/v1/responses/{response_id}/cancel")
+        assert cancel.status_code == 400 and "synchronous" in cancel.json()["error"]["message"], cancel.text
 
 
 def _ask_agent(http, model: str, api: str, system: str, question: str) -> tuple[str, int]:
@@ -188,7 +218,8 @@ def test_groups_with_distinct_prefixes_split_and_keep_affinity(http, cluster):
 def ingress_mode_app(cluster, cluster_config):
     # One engine behind two ingress replicas: two routers, one cache to agree on.
     deploy_app(cluster_config, INGRESS_APP, ["http.mode=ingress", "frontend.num_replicas=2",
-                                             "replicas.num_replicas=1", "serving.enable_scale_out=true"])
+                                             "replicas.num_replicas=1", "serving.enable_scale_out=true",
+                                             "serving.responses_store=true"])
     try:
         yield cluster.base_url + f"/{INGRESS_APP}"
     finally:
@@ -254,6 +285,12 @@ def test_ingress_mode_hands_what_its_own_path_lacks_to_an_engines_vllm_layer(ing
         assert generated.status_code == 200 and len(generated.json()["choices"][0]["token_ids"]) == 3, generated.text
         tokens, reasons = generated_until_aborted(http, INGRESS_APP, "abort-ingress", 4000)
         assert tokens < 4000 and "abort" in reasons, (tokens, reasons)  # the abort reached the engine running it
+        # A stored response's follow-up and GET reach the engine holding it (pinned by the id it names).
+        follow_up = http.post("/v1/responses", json={"model": INGRESS_APP, "input": "and then?", "max_output_tokens": 2,
+                                                     "previous_response_id": response.json()["id"]})
+        assert follow_up.status_code == 200, follow_up.text
+        stored = http.get(f"/v1/responses/{follow_up.json()['id']}")
+        assert stored.status_code == 200 and stored.json()["previous_response_id"] == response.json()["id"], stored.text
         # A GET reaches the engine's vLLM layer as a GET: its answer for an unknown id, as in direct mode.
         missing = http.get("/v1/responses/resp_missing")
         direct = httpx.get(f"{cluster.base_url}/v1/responses/resp_missing", timeout=60)

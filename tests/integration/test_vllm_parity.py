@@ -22,8 +22,8 @@ import httpx
 import pytest
 from support import generated_until_aborted
 
-from kvtide.benchmarks.processes import (server_process, vllm_lora_flags, vllm_server_cmd, vllm_serving_flags,
-                                         wait_ready)
+from kvtide.benchmarks.processes import (server_process, vllm_lora_flags, vllm_server_cmd, vllm_serving_env,
+                                         vllm_serving_flags, wait_ready)
 from kvtide.config import load_config
 from kvtide.deployments.engine.demo_model import resolve_model
 from kvtide.deployments.engine.placement import engine_kwargs
@@ -48,7 +48,7 @@ def bare_vllm(cluster, tmp_path_factory):
     config = load_config(REPO / "config/presets/cpu-parity.yaml")
     cmd = vllm_server_cmd(engine_kwargs(config, resolve_model(config.model)), BARE_PORT)
     cmd += vllm_serving_flags(config.serving) + vllm_lora_flags(config.lora)
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1", **vllm_serving_env(config.serving)}
     log = tmp_path_factory.mktemp("bare-vllm") / "server.log"
     base_url = f"http://127.0.0.1:{BARE_PORT}"
     with server_process(cmd, log, env=env) as alive:
@@ -288,7 +288,8 @@ def _event_types(client: httpx.Client, path: str, body: dict[str, Any]) -> list[
 
 def test_the_responses_api_is_answered_as_vllm_answers_it(kvtide, bare_vllm):
     """POST /v1/responses: shaped as bare vLLM's answer within max_output_tokens; streamed, both open with
-    response.created and end with the response's final event; GET of that id gets bare vLLM's status."""
+    response.created and end with the response's final event; with the store on, a GET of that id, a turn continuing
+    it and a cancel of it are answered as bare vLLM answers them."""
     answers = _both_answers(kvtide, bare_vllm, "/v1/responses", RESPONSE)
     for answer in answers:
         assert answer["object"] == "response" and answer["usage"]["output_tokens"] <= RESPONSE["max_output_tokens"]
@@ -296,7 +297,16 @@ def test_the_responses_api_is_answered_as_vllm_answers_it(kvtide, bare_vllm):
         types = _event_types(client, "/v1/responses", RESPONSE)
         assert types[0] == "response.created" and types[-1] in ("response.completed", "response.incomplete"), types
     ours, theirs = (client.get(f"/v1/responses/{answer['id']}") for client, answer in zip((kvtide, bare_vllm), answers))
-    assert ours.status_code == theirs.status_code, (ours.text, theirs.text)
+    assert ours.status_code == theirs.status_code == 200, (ours.text, theirs.text)  # both keep it (the store is on)
+    for client, first in zip((kvtide, bare_vllm), answers):  # the stored conversation is the new turn's history
+        follow_up = client.post("/v1/responses", json={**RESPONSE, "input": "And then?",
+                                                       "previous_response_id": first["id"]})
+        assert follow_up.status_code == 200, follow_up.text
+        assert follow_up.json()["usage"]["input_tokens"] > first["usage"]["input_tokens"], (first, follow_up.text)
+    ours, theirs = (client.post(f"/v1/responses/{answer['id']}/cancel") for client, answer in zip((kvtide, bare_vllm),
+                                                                                                   answers))
+    assert (ours.status_code, ours.json()["error"]["message"]) == (theirs.status_code,
+                                                                  theirs.json()["error"]["message"]), ours.text
 
 
 def test_anthropics_messages_api_is_answered_as_vllm_answers_it(kvtide, bare_vllm):

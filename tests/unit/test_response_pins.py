@@ -31,7 +31,7 @@ def test_a_tagged_id_names_its_replica_and_looks_like_vllms():
 
 
 @pytest.mark.parametrize("response_id", [
-    "resp_0123456789abcdef0123456789abcdef",  # vLLM's own id
+    "resp_b627def8b0a05003",  # vLLM's own id (16 hex)
     "my-conversation-7", "resp_AB12-0123456789abcdef0123456789abcdef", "resp_x-123", "", None, 7, ["resp_a"],
     "resp_ab12cd34-0123456789abcdef0123456789abcdef/../x",
 ])
