@@ -10,6 +10,9 @@
                              routing.trust.PREDICTED_CACHED_TOKENS_HEADER: <tokens>;<replica>}};
         HAProxy forwards the original request, with those headers, to that replica's own HTTP port
 
+A body continuing a stored response (`previous_response_id`, serving.responses_store) is pinned
+to the replica holding it (routing.response_pins): the RoutingKey carries that replica.
+
 The second header is the router's prediction of the prompt tokens the picked replica has
 cached (prefix_aware writes it into the RoutingKey's `decision` slot); the replica compares
 it with the engine's report when the request finishes (index-trust telemetry).
