@@ -52,7 +52,12 @@ class PickOnlyShortestQueue:
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         if (pinned := pinned_rank(candidate_replicas, pending_request)) is not None:
             return pinned
-        ranks = await super().choose_replicas(routable(candidate_replicas), pending_request)
+        serving = routable(candidate_replicas)
+        # Ray's pow2 samples every replica it knows, not the candidates it is handed: a standby is taken
+        # out of its ranks here (an empty rank makes Ray ask again).
+        serving_ids = {r.replica_id for r in serving}
+        ranks = [[r for r in rank if r.replica_id in serving_ids]
+                 for rank in await super().choose_replicas(serving, pending_request)]
         if not is_pick_only(pending_request):
             return ranks
         rank = next((r for r in ranks if r), None)

@@ -157,12 +157,12 @@ def _pinned_replica(pending_request: Optional[PendingRequest]) -> str | None:
 def pinned_rank(candidates: List[RunningReplica],
                 pending_request: Optional[PendingRequest]) -> List[List[RunningReplica]] | None:
     """Every router's first step: a request pinned to a replica (the one holding the stored response it
-    names, routing.response_pins) goes there while that replica is a candidate, whatever the policy and
-    its load; None: the policy routes it (no pin, or the replica is gone, and its store with it)."""
+    names, routing.response_pins) goes there while that replica serves, whatever the policy and its load;
+    None: the policy routes it (no pin, or the replica is gone or set aside as a standby, its store with it)."""
     pinned = _pinned_replica(pending_request)
     if pinned is not None:
         for replica in candidates:
-            if _replica_id(replica.replica_id) == pinned:
+            if _replica_id(replica.replica_id) == pinned and not (replica.routing_stats or {}).get("standby"):
                 return [[replica]]
     return None
 

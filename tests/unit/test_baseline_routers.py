@@ -135,3 +135,12 @@ def test_the_baseline_policies_use_the_pick_only_aware_routers(policy, cls):
     config = KvtideConfig.model_validate({"routing": {"policy": policy}})
     path = request_router_config(config).request_router_class
     assert path == f"{cls.__module__}:{cls.__name__}"
+
+
+def test_pow2_never_picks_a_standby_though_rays_sampler_sees_every_replica():
+    """Ray's pow2 samples all the replicas it knows, not the candidates it is handed: a standby is left out anyway."""
+    standby = FakeReplica("b")
+    standby.routing_stats["standby"] = True
+    replicas = [FakeReplica("a"), standby, FakeReplica("c")]
+    picked = picks(new_pow2(), replicas, [RoutingKey() for _ in range(40)])
+    assert {r for rank in picked for r in rank} <= {"a", "c"}

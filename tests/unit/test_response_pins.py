@@ -155,6 +155,15 @@ def test_a_pin_to_a_replica_that_is_gone_is_routed_by_the_policy(new_router):
     assert _first_picks(new_router(), replicas, RoutingKey(pinned_replica="gone")) <= {"a", "c"}
 
 
+@pytest.mark.parametrize("new_router", [_prefix_aware, _round_robin, _pow2], ids=["prefix_aware", "round_robin", "pow2"])
+def test_a_pin_to_a_standby_is_routed_by_the_policy_among_the_serving_replicas(new_router):
+    """A replica set aside as a standby serves nothing (a sleeping engine answers no request): the pin lapses."""
+    standby = FakeReplica("b")
+    standby.routing_stats["standby"] = True
+    replicas = [FakeReplica("a"), standby, FakeReplica("c")]
+    assert _first_picks(new_router(), replicas, RoutingKey(pinned_replica="b")) <= {"a", "c"}
+
+
 def test_the_ray_prefix_baseline_honours_pins_too(monkeypatch):
     """Ray Serve LLM's prefix router, as kvtide runs it, keeps the pin as well."""
     from test_baseline_routers import new_ray_prefix
