@@ -77,3 +77,24 @@ async def settle_digest_slices(router, max_turns: int = 10_000) -> None:
         loop.call_soon(turn.set_result, None)
         await turn
     raise AssertionError("digest slices did not finish")
+
+
+class RecordingEngineHandle:
+    """An engine DeploymentHandle for HandleVllmApp: records each VllmLayerCall, answers a bare 200."""
+
+    def __init__(self):
+        self.calls = []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def vllm_openai(self):
+        return self
+
+    def remote(self, call):
+        self.calls.append(call)
+
+        async def messages():
+            yield {"type": "http.response.start", "status": 200, "headers": []}
+        return messages()

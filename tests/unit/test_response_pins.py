@@ -7,8 +7,10 @@ import asyncio
 import json
 
 import pytest
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest
+
+from test_baseline_routers import FakeReplica, new_ray_prefix
 
 from kvtide.deployments.engine.response_ids import tagging_app, with_response_id
 from kvtide.deployments.messages import RoutingKey, VllmLayerCall
@@ -94,21 +96,6 @@ def test_the_replicas_vllm_layer_sees_new_responses_with_its_id_and_other_reques
 
 # ---- routers ------------------------------------------------------------------------------
 
-class FakeReplica:
-    """The attributes of a RunningReplica the routers read."""
-
-    def __init__(self, unique_id: str, running: int = 0):
-        self.replica_id = ReplicaID(unique_id=unique_id, deployment_id=DEPLOYMENT)
-        self.routing_stats = {"reported_s": 1.0, "num_running": running, "num_waiting": 0}
-        self.max_ongoing_requests = 100
-        self.node_id = "node"
-        self.availability_zone = None
-        self.multiplexed_model_ids = set()
-
-    async def get_queue_len(self, deadline_s: float) -> int:
-        return 0
-
-
 def _prefix_aware():
     router = PrefixAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
     router.initialize_state(block_size=16, seed=0)
@@ -166,8 +153,6 @@ def test_a_pin_to_a_standby_is_routed_by_the_policy_among_the_serving_replicas(n
 
 def test_the_ray_prefix_baseline_honours_pins_too(monkeypatch):
     """Ray Serve LLM's prefix router, as kvtide runs it, keeps the pin as well."""
-    from test_baseline_routers import new_ray_prefix
-
     replicas = [FakeReplica("a"), FakeReplica("b", running=50)]
     assert _first_picks(new_ray_prefix(monkeypatch), replicas, RoutingKey(pinned_replica="b")) == {"b"}
 
@@ -218,24 +203,11 @@ def test_direct_mode_answers_a_request_naming_another_replicas_response_there():
 
 def test_ingress_mode_pins_a_vllm_layer_call_naming_a_response_to_its_replica():
     """The call an ingress sends an engine carries the replica of the response its path or body names."""
+    from fakes import RecordingEngineHandle
+
     from kvtide.deployments.frontend.vllm_layer import HandleVllmApp
 
-    calls = []
-
-    class Handle:
-        def options(self, **_):
-            return self
-
-        @property
-        def vllm_openai(self):
-            return self
-
-        def remote(self, call):
-            calls.append(call)
-
-            async def messages():
-                yield {"type": "http.response.start", "status": 200, "headers": []}
-            return messages()
+    handle = RecordingEngineHandle()
 
     async def send(message):
         pass
@@ -248,5 +220,5 @@ def test_ingress_mode_pins_a_vllm_layer_call_naming_a_response_to_its_replica():
             return {"type": "http.request", "body": body, "more_body": False}
 
         scope = {"type": "http", "method": method, "path": path, "root_path": "", "query_string": b"", "headers": []}
-        asyncio.run(HandleVllmApp(Handle(), lambda body: {})(scope, receive, send))
-    assert [c.pinned_replica for c in calls] == ["r7", "r7", "r7", None]
+        asyncio.run(HandleVllmApp(handle, lambda body: {})(scope, receive, send))
+    assert [c.pinned_replica for c in handle.calls] == ["r7", "r7", "r7", None]

@@ -365,24 +365,11 @@ def test_prompt_logprobs_are_refused_only_where_the_engine_fails_on_them():
 def test_ingress_hands_an_engine_the_requests_method_path_and_query():
     """Ingress mode: the call to an engine's vLLM layer carries the request's method, path and query string
     (GET /v1/responses/{id}?stream=true is not a POST there), with the routing fields of its body."""
+    from fakes import RecordingEngineHandle
+
     from kvtide.deployments.frontend.vllm_layer import HandleVllmApp
 
-    calls = []
-
-    class Handle:
-        def options(self, **_):
-            return self
-
-        @property
-        def vllm_openai(self):
-            return self
-
-        def remote(self, call):
-            calls.append(call)
-
-            async def messages():
-                yield {"type": "http.response.start", "status": 200, "headers": []}
-            return messages()
+    handle = RecordingEngineHandle()
 
     async def receive():
         return {"type": "http.request", "body": b"", "more_body": False}
@@ -392,11 +379,11 @@ def test_ingress_hands_an_engine_the_requests_method_path_and_query():
     async def send(message):
         sent.append(message)
 
-    app = HandleVllmApp(Handle(), lambda body: {"session_key": "s"})
+    app = HandleVllmApp(handle, lambda body: {"session_key": "s"})
     scope = {"type": "http", "method": "GET", "path": "/v1/responses/resp_1", "root_path": "",
              "query_string": b"stream=true", "headers": [(b"accept", b"text/event-stream")]}
     asyncio.run(app(scope, receive, send))
-    call = calls[0]
+    call = handle.calls[0]
     assert (call.method, call.path, call.query_string, call.session_key) == (
         "GET", "/v1/responses/resp_1", b"stream=true", "s")
     assert sent == [{"type": "http.response.start", "status": 200, "headers": []}]
