@@ -277,7 +277,8 @@ class OpenAIFrontend:
             if counted:
                 self.metrics.ttft_s.observe(time.perf_counter() - arrived_s, tags)
 
-        response = VllmLayerResponse(self._vllm_app_for(path, body), body, deadline.remaining_s(time.monotonic()) if deadline else None,
+        app = self._vllm_app_for(path, body)
+        response = VllmLayerResponse(app, body, deadline.remaining_s(time.monotonic()) if deadline else None,
                                      timeout_error(self.limits, "finish"), on_done,
                                      {"x-kvtide-replica": self.replica_id} if self.replica_id else None,
                                      on_first_chunk, FIRST_TOKEN_MARKERS.get(endpoint), own_request_id)

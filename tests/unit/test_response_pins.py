@@ -43,13 +43,18 @@ def test_ids_kvtide_did_not_make_name_no_replica(response_id):
 
 
 def test_the_replica_a_request_must_reach_is_read_from_its_path_or_previous_response_id():
-    """GET /v1/responses/{id}, its /cancel, and a POST continuing a response name its replica; nothing else does."""
+    """GET /v1/responses/{id}, its /cancel, and a POST continuing a response (even cut short, as the routing peer may
+    get it) name its replica; nothing else does, a key quoted inside a string included."""
     rid = tagged_response_id("r1")
     assert response_owner(f"/v1/responses/{rid}", b"") == "r1"
     assert response_owner(f"/v1/responses/{rid}/cancel", b"") == "r1"
     assert response_owner("/v1/responses", json.dumps({"input": "hi", "previous_response_id": rid}).encode()) == "r1"
     assert response_owner("/v1/responses", json.dumps({"input": rid}).encode()) is None
     assert response_owner("/v1/responses", b'{"previous_response_id": ') is None  # not JSON: vLLM's 400
+    cut = json.dumps({"previous_response_id": rid, "input": "x" * 1000}).encode()[:200]  # the peer's view of a long body
+    assert response_owner("/v1/responses", cut) == "r1"
+    quoted = json.dumps({"input": json.dumps({"previous_response_id": rid})}).encode()  # the key inside a string
+    assert response_owner("/v1/responses", quoted) is None
     assert response_owner("/v1/responses", b'["previous_response_id"]') is None
     assert response_owner("/v1/chat/completions", json.dumps({"previous_response_id": rid}).encode()) is None
     assert response_owner(f"/v1/responses/{rid}/input_items", b"") is None
