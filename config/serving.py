@@ -27,7 +27,7 @@ KVTIDE_OWNS_SERVER_ARGS = {
     "ssl_ciphers": "TLS ends at the ingress", "enable_ssl_refresh": "TLS ends at the ingress",
     "grpc_port": "kvtide serves HTTP only", "uvicorn_log_level": "Ray Serve runs the HTTP server",
     "disable_uvicorn_access_log": "Ray Serve runs the HTTP server",
-    "lora_modules": "multi-LoRA is not supported by kvtide yet",
+    "lora_modules": "lora.adapters, each served name to its adapter directory",
 }
 
 
