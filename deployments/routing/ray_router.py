@@ -144,8 +144,12 @@ def routable(candidates: List[RunningReplica]) -> List[RunningReplica]:
     All standby (a moment in a fleet's life, e.g. the last active replica just died): all stay,
     and a sleeping one answers with a retryable error rather than the request having nowhere to go.
     """
-    serving = [r for r in candidates if not (r.routing_stats or {}).get("standby")]
+    serving = [r for r in candidates if not _is_standby(r)]
     return serving or candidates
+
+
+def _is_standby(replica: RunningReplica) -> bool:
+    return bool((replica.routing_stats or {}).get("standby"))
 
 
 def _pinned_replica(pending_request: Optional[PendingRequest]) -> str | None:
@@ -162,7 +166,7 @@ def pinned_rank(candidates: List[RunningReplica],
     pinned = _pinned_replica(pending_request)
     if pinned is not None:
         for replica in candidates:
-            if _replica_id(replica.replica_id) == pinned and not (replica.routing_stats or {}).get("standby"):
+            if _replica_id(replica.replica_id) == pinned and not _is_standby(replica):
                 return [[replica]]
     return None
 

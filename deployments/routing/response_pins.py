@@ -12,10 +12,10 @@ gives each response it stores an id that names the replica,
 
 (engine/response_ids.py), and whoever routes a request that names a response reads the replica
 off the id and pins the request to it (`pinned_replica` on RoutingKey / VllmLayerCall;
-routing.ray_router.pinned_rank). Where the replica is gone its store went with it, as when a vLLM server restarts: the request
-is routed as any other and vLLM answers its 404. A `request_id` the client names is kept as
-vLLM keeps it; such a response is found again only where routing happens to send the follow-up
-(one replica: always), which the README states.
+routing.ray_router.pinned_rank). Where the replica is gone its store went with it, as when a
+vLLM server restarts: the request is routed as any other and vLLM answers its 404. A `request_id`
+the client names is kept as vLLM keeps it; such a response is found again only where routing
+happens to send the follow-up (one replica: always; docs/architecture.md, decision 19).
 
 As a bonus the pin keeps a conversation's turns on the replica whose KV cache holds its history.
 """
@@ -30,9 +30,10 @@ RESPONSES_PATH = "/v1/responses"
 # vLLM's switch for its in-memory Responses store (vllm.envs), set in each engine replica.
 STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
 # A Serve replica's unique id: lowercase letters and digits (ray.serve._private.common.ReplicaID).
-_TAGGED_ID = re.compile(r"resp_([a-z0-9]{1,32})-[0-9a-f]{32}")
+_TAGGED = r"resp_([a-z0-9]{1,32})-[0-9a-f]{32}"  # group 1: the replica
+_TAGGED_ID = re.compile(_TAGGED)
+_PREVIOUS_ID = re.compile(rb'"previous_response_id"\s*:\s*"' + _TAGGED.encode() + rb'"')
 _RESPONSE_PATH = re.compile(r"/v1/responses/([^/]+)(?:/cancel)?")
-_PREVIOUS_ID = re.compile(rb'"previous_response_id"\s*:\s*"(resp_[a-z0-9]{1,32}-[0-9a-f]{32})"')
 
 
 def tagged_response_id(replica_id: str) -> str:
@@ -56,7 +57,7 @@ def previous_response_owner(body: bytes) -> str | None:
     escaped, so it never matches; the replica that gets the request reads the parsed body again.
     """
     match = _PREVIOUS_ID.search(body)
-    return owner_of(match.group(1).decode()) if match else None
+    return match.group(1).decode() if match else None
 
 
 def response_owner(path: str, body: bytes) -> str | None:
