@@ -48,13 +48,31 @@ def _prompt_logprobs_ok(kind: str, answer: dict[str, Any]) -> bool:
     return len(choice["logprobs"]["tokens"]) >= answer["usage"]["prompt_tokens"]
 
 
+def _stream_fault(text: str) -> str | None:
+    """Why an SSE completion stream is not whole (None when it is): it ends with [DONE] and every
+    event before is a completion chunk, not an error event. Judged per parsed event: a substring
+    test for "error" would fail a stream whose random-model text is the token `error`."""
+    events = [line[len("data:"):].strip() for line in text.splitlines() if line.startswith("data:")]
+    if not events or events[-1] != "[DONE]":
+        return f"no [DONE] at the end: {text[-300:]!r}"
+    for event in events[:-1]:
+        try:
+            chunk = json.loads(event)
+        except ValueError:
+            return f"not JSON: {event[:300]!r}"
+        if not isinstance(chunk, dict) or "error" in chunk or "choices" not in chunk:
+            return f"not a completion chunk: {event[:300]!r}"
+    return None
+
+
 async def _one(client: httpx.AsyncClient, kind: str, body: dict[str, Any]) -> dict[str, Any]:
     try:
         if body.get("stream"):
             async with client.stream("POST", "/v1/completions", json=body) as resp:
                 text = (await resp.aread()).decode()
-                ok = resp.status_code == 200 and text.rstrip().endswith("data: [DONE]") and '"error"' not in text
-                return {"kind": kind, "model": body["model"], "status": resp.status_code, "ok": ok}
+                fault = f"status {resp.status_code}" if resp.status_code != 200 else _stream_fault(text)
+                return {"kind": kind, "model": body["model"], "status": resp.status_code, "ok": fault is None,
+                        **({} if fault is None else {"error": fault})}
         resp = await client.post("/v1/completions", json=body)
         ok = resp.status_code == 200 and _prompt_logprobs_ok(kind, resp.json())
         return {"kind": kind, "model": body["model"], "status": resp.status_code, "ok": ok,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvtide.benchmarks.lora_prompt_logprobs import _bodies, _prompt_logprobs_ok
+from kvtide.benchmarks.lora_prompt_logprobs import _bodies, _prompt_logprobs_ok, _stream_fault
 
 
 def test_a_round_streams_on_every_model_and_asks_prompt_logprobs_both_ways_on_each():
@@ -24,3 +24,13 @@ def test_a_prompt_logprobs_answer_is_whole_only_with_an_entry_per_prompt_token()
     assert not _prompt_logprobs_ok("prompt_logprobs", {"choices": [{"prompt_logprobs": [None, {}]}], "usage": usage})
     assert _prompt_logprobs_ok("echo_logprobs", {"choices": [{"logprobs": {"tokens": list("abcde")}}], "usage": usage})
     assert not _prompt_logprobs_ok("echo_logprobs", {"choices": [{"logprobs": {"tokens": ["a"]}}], "usage": usage})
+
+
+def test_a_stream_is_whole_when_it_ends_with_done_and_no_event_is_an_error():
+    """Parsed per event: text that is the token `error` passes; an error event, a cut stream or junk fails, named."""
+    chunk = 'data: {"id": "c", "choices": [{"index": 0, "text": "%s"}]}\n\n'
+    assert _stream_fault(chunk % "error" + chunk % " ok" + "data: [DONE]\n\n") is None
+    error_event = 'data: {"error": {"message": "engine died", "code": 503}}\n\n'
+    assert "not a completion chunk" in _stream_fault(chunk % "a" + error_event + "data: [DONE]\n\n")
+    assert "no [DONE]" in _stream_fault(chunk % "a")
+    assert "not JSON" in _stream_fault("data: {cut\n\ndata: [DONE]\n\n")
