@@ -45,7 +45,7 @@ from kvtide.config.vllm_args import check_extra_args, engine_arg_names
 # `observe layer4 error-limit 3`); see KvtideConfig.ray_process_env.
 HAPROXY_MARK_DOWN_ERRORS = 3
 # HAProxy's retry-on in direct mode (the reason is at its use in ray_process_env).
-HAPROXY_RETRY_ON = "conn-failure empty-response junk-response 503"
+HAPROXY_RETRY_ON = "conn-failure empty-response junk-response 500 503"
 
 # The demo model's name in configs; resolved to its local cache dir by kvtide.deployments.engine.demo_model.
 DEMO_MODEL = "demo"
@@ -354,6 +354,10 @@ class KvtideConfig(Strict):
                 # (its engine died or failed before the response began), which another replica can
                 # serve. A killed replica's engine core can die first; the replica then answers
                 # with it until its own process dies (tests/integration/test_reliability.py kills one).
+                # And a 500, for the same reason: vLLM's layer answers a request on a dead engine
+                # with 500 (EngineDeadError), and Ray's replica wrapper answers a plain-text 500 for
+                # an error escaping the app, as in a replica being torn down; kvtide's own 500 says
+                # "retry the request" too. A 500 that every replica gives still reaches the client.
                 # junk-response: a reply cut off in its headers, for the same reason. A stream that
                 # already began is never retried (its 200 went out; a failure then is an SSE event).
                 "RAY_SERVE_HAPROXY_RETRY_ON": HAPROXY_RETRY_ON,

@@ -15,9 +15,9 @@ vLLM's own OpenAI app on the same engine (engine/vllm_openai.py): a request that
 of vLLM's API kvtide's path does not implement (tools, response_format, logprobs, n, …) is
 answered by it, exactly as `vllm serve` would (frontend/vllm_layer.py). Retry before the
 first token is HAProxy's: a replica that refuses the connection (dead, draining) or closes it
-with no response (died after accepting it) is retried on another (`RAY_SERVE_HAPROXY_RETRY_ON`,
-`option redispatch`). GETs (/v1/models, /health,
-/ready) skip the routing peer and go to any replica by least connections.
+with no response (died after accepting it), or answers 503 or 500 before any byte (its engine
+died) is retried on another (`RAY_SERVE_HAPROXY_RETRY_ON`, `option redispatch`). GETs
+(/v1/models, /health, /ready) skip the routing peer and go to any replica by least connections.
 """
 
 from __future__ import annotations

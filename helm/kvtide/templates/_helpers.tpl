@@ -257,7 +257,7 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
 - name: RAY_SERVE_HAPROXY_RETRIES
   value: {{ add 3 (dig "ingress" "admission" "max_retries" (dig "frontend" "admission" "max_retries" 2 .Values.kvtide) .Values.kvtide | int64) | toString | quote }}
 - name: RAY_SERVE_HAPROXY_RETRY_ON
-  value: "conn-failure empty-response junk-response 503"
+  value: "conn-failure empty-response junk-response 500 503"
 {{- end }}
 - name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
   value: "2"
