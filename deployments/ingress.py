@@ -38,7 +38,7 @@ class Ingress:
             config, lambda limits: HandleEngineClient(engine, limits), HotPrefixTracker(config.engine.block_size),
             "ingress")
         # What kvtide's path does not implement goes whole to an engine replica's vLLM layer.
-        self.frontend.vllm_app = HandleVllmApp(engine, self.frontend.vllm_routing_fields)
+        self.frontend.vllm_app = HandleVllmApp(engine, self.frontend.vllm_routing_fields, self.frontend.limits)
         self.frontend.fleet_vllm = fleet_caller(engine)
 
     def __serve_build_asgi_app__(self):

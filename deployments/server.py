@@ -52,7 +52,7 @@ class EngineServer(EngineReplica):
         fleet = serve.get_deployment_handle(context.deployment, app_name=context.app_name)
         self.frontend.fleet_vllm = fleet_caller(fleet)
         if self.config.serving.responses_store:  # a GET or cancel of a response another replica holds goes there
-            self.frontend.owner_vllm_app = HandleVllmApp(fleet, lambda body: {})
+            self.frontend.owner_vllm_app = HandleVllmApp(fleet, lambda body: {}, self.frontend.limits)
 
     def _requests_in_flight(self) -> int:
         # Every HTTP request holds an admission ticket while it runs (vLLM-layer ones too).

@@ -70,6 +70,11 @@ def unavailable_error(limits: AdmissionLimits) -> ApiError:
                     headers={"Retry-After": str(limits.retry_after_s)})
 
 
+def backpressure_error(limits: AdmissionLimits) -> ApiError:
+    return ApiError(429, "the engines are at capacity; retry after the Retry-After delay", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(limits.retry_after_s)})
+
+
 async def _first_delta(stream: EngineStream, deadline: Deadline, limits: AdmissionLimits,
                        on_rejected: Callable[[str], None]) -> EngineStream:
     """Wait for the first delta; on deadline or cancellation the call is cancelled first."""
@@ -139,9 +144,7 @@ class HandleEngineClient:
                 kind = engine_failure_kind(exc)
                 if kind == "backpressure":
                     on_rejected("engine_queue_full")
-                    raise ApiError(429, "the engines are at capacity; retry after the Retry-After delay",
-                                   code="rate_limit_exceeded",
-                                   headers={"Retry-After": str(self.limits.retry_after_s)}) from None
+                    raise backpressure_error(self.limits) from None
                 if kind != "replica" or attempt >= self.limits.max_retries:
                     logger.warning("request %s failed before its first token (attempt %d): %s",
                                    request.request_id, attempt + 1, type(exc).__name__)

@@ -26,10 +26,15 @@ from pydantic import TypeAdapter, ValidationError
 from starlette._utils import get_route_path
 from starlette.responses import Response
 
+from kvtide.deployments.frontend.admission import AdmissionLimits
+from kvtide.deployments.frontend.engine_client import backpressure_error, engine_failure_kind, unavailable_error
 from kvtide.deployments.frontend.protocol import MAX_CHOICES, ApiError
 from kvtide.deployments.routing.response_pins import response_owner
 from kvtide.deployments.frontend.unsupported import NOT_HONOURED, first_unhonoured
+from kvtide.deployments.logs import replica_logger
 from kvtide.deployments.messages import VllmLayerCall
+
+logger = replica_logger("vllm_layer")
 
 # What in a chat message only vLLM's layer renders: a tool result turn, an assistant turn's
 # tool calls or reasoning. (Anything else malformed — an unknown role, no role — is kvtide's
@@ -163,6 +168,15 @@ def _sse_error(message: str, code: str) -> bytes:
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 
+async def _send_error(send: Callable[..., Any], err: ApiError) -> None:
+    """A whole JSON error response (OpenAI's shape) on an ASGI `send` that has sent nothing yet."""
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (err.headers or {}).items())]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
 class VllmLayerResponse(Response):
     """A request handed to vLLM's ASGI app, its body (read already, to choose the path) replayed.
 
@@ -228,11 +242,7 @@ class VllmLayerResponse(Response):
     async def _timed_out(self, started: dict[str, Any], send: Callable[..., Any]) -> None:
         err = self.timeout_error
         if not started:
-            body = json.dumps(err.body()).encode()
-            await send({"type": "http.response.start", "status": err.status,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body, "more_body": False})
+            await _send_error(send, err)
             return
         # The 200 went out: a stream ends with an error event, as kvtide's own streams do.
         is_stream = any(k == b"content-type" and v.startswith(b"text/event-stream")
@@ -250,22 +260,44 @@ class HandleVllmApp:
     mode uses one too, to send such a request on to that replica.
     """
 
-    def __init__(self, handle: Any, route: Callable[[bytes], dict[str, Any]]):
+    def __init__(self, handle: Any, route: Callable[[bytes], dict[str, Any]], limits: AdmissionLimits):
         self.handle = handle
         self.route = route
+        self.limits = limits
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        """The engine replica's answer, as HAProxy gives one in direct mode: a replica that died (or whose engine
+        died) before its answer began is retried on another, up to max_retries; then, or when the engines are
+        full, an OpenAI-shaped 503 or 429. An answer that began and is then cut stays cut."""
         body = (await receive())["body"]  # VllmLayerResponse replays the whole body in one message
         path = get_route_path(scope)
         call = VllmLayerCall(path, tuple(scope["headers"]), body, scope["method"], scope.get("query_string", b""),
                              pinned_replica=response_owner(path, body), **self.route(body))
-        response = self.handle.options(stream=True).vllm_openai.remote(call)
-        try:
-            async for message in response:
-                await send(message)
-        except asyncio.CancelledError:
-            response.cancel()  # aborts the request in the engine
-            raise
+        for attempt in range(self.limits.max_retries + 1):
+            response = self.handle.options(stream=True).vllm_openai.remote(call)
+            began = False
+            try:
+                async for message in response:
+                    began = True
+                    await send(message)
+                return
+            except asyncio.CancelledError:
+                response.cancel()  # aborts the request in the engine
+                raise
+            except Exception as exc:
+                kind = engine_failure_kind(exc)
+                if began:
+                    raise
+                if kind is None:  # a bug, not the client's fault: still an OpenAI body
+                    logger.error("vLLM-layer call on %s failed unexpectedly: %s", path, type(exc).__name__)
+                    await _send_error(send, ApiError(500, "internal error; retry the request", code="internal_error"))
+                    return
+                if kind == "backpressure":
+                    await _send_error(send, backpressure_error(self.limits))
+                    return
+                logger.info("vLLM-layer call on %s: engine replica failed before answering (%s, attempt %d)",
+                            path, type(exc).__name__, attempt + 1)
+        await _send_error(send, unavailable_error(self.limits))
 
 
 # A fleet-wide request (an abort) waits this long for every engine replica's answer.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Callable, Iterator, Sequence
 
+from kvtide.config import parse_config
+from kvtide.deployments.frontend.admission import admission_limits
 from kvtide.deployments.routing.block_hash import BlockHash
 from kvtide.deployments.routing.prefix_index import PrefixIndex
 from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
@@ -79,11 +81,20 @@ async def settle_digest_slices(router, max_turns: int = 10_000) -> None:
     raise AssertionError("digest slices did not finish")
 
 
-class RecordingEngineHandle:
-    """An engine DeploymentHandle for HandleVllmApp: records each VllmLayerCall, answers a bare 200."""
+# The default config's admission limits (max_retries 2, retry_after_s 1).
+DEFAULT_LIMITS = admission_limits(parse_config({}))
 
-    def __init__(self):
+
+class RecordingEngineHandle:
+    """An engine DeploymentHandle for HandleVllmApp: records each VllmLayerCall, answers a bare 200.
+
+    `failures`: what the calls raise in turn before answering (None: that call answers); `cut_after_start`:
+    an answering call raises this after its response start."""
+
+    def __init__(self, failures=(), cut_after_start=None):
         self.calls = []
+        self.failures = list(failures)
+        self.cut_after_start = cut_after_start
 
     def options(self, **_):
         return self
@@ -94,7 +105,12 @@ class RecordingEngineHandle:
 
     def remote(self, call):
         self.calls.append(call)
+        failure = self.failures.pop(0) if self.failures else None
 
         async def messages():
+            if failure is not None:
+                raise failure
             yield {"type": "http.response.start", "status": 200, "headers": []}
+            if self.cut_after_start is not None:
+                raise self.cut_after_start
         return messages()

@@ -208,7 +208,7 @@ def test_direct_mode_answers_a_request_naming_another_replicas_response_there():
 
 def test_ingress_mode_pins_a_vllm_layer_call_naming_a_response_to_its_replica():
     """The call an ingress sends an engine carries the replica of the response its path or body names."""
-    from fakes import RecordingEngineHandle
+    from fakes import DEFAULT_LIMITS, RecordingEngineHandle
 
     from kvtide.deployments.frontend.vllm_layer import HandleVllmApp
 
@@ -225,5 +225,5 @@ def test_ingress_mode_pins_a_vllm_layer_call_naming_a_response_to_its_replica():
             return {"type": "http.request", "body": body, "more_body": False}
 
         scope = {"type": "http", "method": method, "path": path, "root_path": "", "query_string": b"", "headers": []}
-        asyncio.run(HandleVllmApp(handle, lambda body: {})(scope, receive, send))
+        asyncio.run(HandleVllmApp(handle, lambda body: {}, DEFAULT_LIMITS)(scope, receive, send))
     assert [c.pinned_replica for c in handle.calls] == ["r7", "r7", "r7", None]

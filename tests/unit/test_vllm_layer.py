@@ -365,7 +365,7 @@ def test_prompt_logprobs_are_refused_only_where_the_engine_fails_on_them():
 def test_ingress_hands_an_engine_the_requests_method_path_and_query():
     """Ingress mode: the call to an engine's vLLM layer carries the request's method, path and query string
     (GET /v1/responses/{id}?stream=true is not a POST there), with the routing fields of its body."""
-    from fakes import RecordingEngineHandle
+    from fakes import DEFAULT_LIMITS, RecordingEngineHandle
 
     from kvtide.deployments.frontend.vllm_layer import HandleVllmApp
 
@@ -379,7 +379,7 @@ def test_ingress_hands_an_engine_the_requests_method_path_and_query():
     async def send(message):
         sent.append(message)
 
-    app = HandleVllmApp(handle, lambda body: {"session_key": "s"})
+    app = HandleVllmApp(handle, lambda body: {"session_key": "s"}, DEFAULT_LIMITS)
     scope = {"type": "http", "method": "GET", "path": "/v1/responses/resp_1", "root_path": "",
              "query_string": b"stream=true", "headers": [(b"accept", b"text/event-stream")]}
     asyncio.run(app(scope, receive, send))
@@ -387,3 +387,67 @@ def test_ingress_hands_an_engine_the_requests_method_path_and_query():
     assert (call.method, call.path, call.query_string, call.session_key) == (
         "GET", "/v1/responses/resp_1", b"stream=true", "s")
     assert sent == [{"type": "http.response.start", "status": 200, "headers": []}]
+
+
+def _ingress_vllm_call(handle) -> list[dict]:
+    """The ASGI messages HandleVllmApp sends for one POST /v1/completions through `handle`."""
+    from fakes import DEFAULT_LIMITS
+
+    from kvtide.deployments.frontend.vllm_layer import HandleVllmApp
+
+    async def receive():
+        return {"type": "http.request", "body": b'{"prompt": "hi", "logprobs": 1}', "more_body": False}
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "", "query_string": b"",
+             "headers": []}
+    asyncio.run(HandleVllmApp(handle, lambda body: {}, DEFAULT_LIMITS)(scope, receive, send))
+    return sent
+
+
+def _error_of(sent: list[dict]) -> tuple[int, dict, dict]:
+    start, body = sent
+    return start["status"], dict(start["headers"]), json.loads(body["body"])["error"]
+
+
+def test_ingress_vllm_call_is_retried_while_replicas_die_before_answering():
+    """Ingress mode, as HAProxy in direct mode: a replica that died before its answer began is retried (max_retries)."""
+    from fakes import RecordingEngineHandle
+    from ray.exceptions import RayActorError
+
+    handle = RecordingEngineHandle(failures=[RayActorError(), RayActorError()])
+    assert _ingress_vllm_call(handle) == [{"type": "http.response.start", "status": 200, "headers": []}]
+    assert len(handle.calls) == 3
+
+
+def test_ingress_vllm_call_past_its_retries_is_a_503_and_a_full_fleet_a_429():
+    """No replica left to try: OpenAI's 503 engine_unavailable with Retry-After; Serve's queue full: 429, not retried."""
+    from fakes import RecordingEngineHandle
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError
+
+    handle = RecordingEngineHandle(failures=[RayActorError()] * 3)
+    status, headers, error = _error_of(_ingress_vllm_call(handle))
+    assert (status, error["code"], headers[b"retry-after"], len(handle.calls)) == (503, "engine_unavailable", b"1", 3)
+    handle = RecordingEngineHandle(failures=[BackPressureError(num_queued_requests=1, max_queued_requests=1)])
+    status, headers, error = _error_of(_ingress_vllm_call(handle))
+    assert (status, error["code"], headers[b"retry-after"], len(handle.calls)) == (429, "rate_limit_exceeded", b"1", 1)
+
+
+def test_ingress_vllm_call_failing_otherwise_is_an_openai_500_and_a_begun_answer_stays_cut():
+    """A failure that is no replica's death is an OpenAI-shaped 500 (never Ray's plain text), not retried; one after the
+    answer began is raised, so the client sees a cut stream as from a bare vLLM whose process died."""
+    from fakes import RecordingEngineHandle
+    from ray.exceptions import RayActorError
+
+    handle = RecordingEngineHandle(failures=[ValueError("bug")])
+    status, _, error = _error_of(_ingress_vllm_call(handle))
+    assert (status, error["code"], len(handle.calls)) == (500, "internal_error", 1)
+    handle = RecordingEngineHandle(cut_after_start=RayActorError())
+    with pytest.raises(RayActorError):
+        _ingress_vllm_call(handle)
+    assert len(handle.calls) == 1
