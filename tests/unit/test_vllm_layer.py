@@ -425,7 +425,7 @@ def test_ingress_vllm_call_is_retried_while_replicas_die_before_answering():
 
 
 def test_ingress_vllm_call_past_its_retries_is_a_503_and_a_full_fleet_a_429():
-    """No replica left to try: OpenAI's 503 engine_unavailable with Retry-After; Serve's queue full: 429, not retried."""
+    """No replica left to try: OpenAI's 503 engine_unavailable with Retry-After; Serve's queue full: 429, no retry."""
     from fakes import RecordingEngineHandle
     from ray.exceptions import RayActorError
     from ray.serve.exceptions import BackPressureError
