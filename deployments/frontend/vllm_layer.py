@@ -285,9 +285,9 @@ class HandleVllmApp:
                 response.cancel()  # aborts the request in the engine
                 raise
             except Exception as exc:
-                kind = engine_failure_kind(exc)
                 if began:
                     raise
+                kind = engine_failure_kind(exc)
                 if kind is None:  # a bug, not the client's fault: still an OpenAI body
                     logger.error("vLLM-layer call on %s failed unexpectedly: %s", path, type(exc).__name__)
                     await _send_error(send, ApiError(500, "internal error; retry the request", code="internal_error"))
