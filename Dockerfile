@@ -26,8 +26,15 @@ COPY --chown=ray:users . /tmp/kvtide-src
 # Installs kvtide with the gpu extra; everything heavy is already satisfied above.
 RUN pip install --no-cache-dir "/tmp/kvtide-src[gpu]" "ray[serve]==2.60.0" \
     && rm -rf /tmp/kvtide-src \
-    && python -c "import importlib.util as u, ray; assert u.find_spec('kvtide.cluster.app'), 'kvtide.cluster.app missing'; assert ray.__version__ == '2.60.0', ray.__version__"
+    && python -c "import importlib.util as u, ray; assert u.find_spec('kvtide.cluster.app'), 'kvtide.cluster.app missing'; assert ray.__version__ == '2.60.0', ray.__version__"\
+    && test -x /home/ray/anaconda3/bin/kvtide-haproxy  # the chart's RAY_SERVE_HAPROXY_BINARY_PATH
 WORKDIR /home/ray
+# The base image's `ray` user (uid 1000) and `users` group (gid 100), numeric so the kubelet can
+# check runAsNonRoot without reading /etc/passwd. The chart's podSecurityContext runs as the
+# same ids with a read-only root filesystem: everything above is installed under /home/ray
+# owned by this user, and what runs writes only to the volumes the chart mounts (/tmp, the
+# home cache dirs, /dev/shm, the model cache).
+USER 1000:100
 
 # KubeRay generates the `ray start` command; Serve imports kvtide.cluster.app:build_app from the
 # installed package. Weights go to HF_HOME, which the chart mounts (modelCache).

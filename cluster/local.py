@@ -10,8 +10,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import sys
+import tempfile
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -19,6 +22,7 @@ from kvtide.cluster.nodes import LocalNodes, remove_temp_dirs, start_nodes
 from kvtide.cluster.startup import FAILURE_PREFIXES, StartupWatch
 from kvtide.config import KvtideConfig
 from kvtide.deployments.engine.placement import logical_cpus_needed
+from kvtide.deployments.internal_auth import SECRET_FILE_ENV
 
 logger = logging.getLogger("kvtide.local")
 
@@ -43,7 +47,7 @@ def apply_ray_process_env(config: KvtideConfig) -> None:
     So this runs before this process imports ray.serve; the config wins over an inherited
     value. The Helm chart sets the same variables on every Ray container.
     """
-    env = config.ray_process_env()
+    env = {**config.ray_process_env(), **internal_env()}
     if "ray.serve" in sys.modules:
         from ray.serve._private import constants
 
@@ -53,6 +57,27 @@ def apply_ray_process_env(config: KvtideConfig) -> None:
                 "before ray.serve is imported, and this process imported it already; start a new process "
                 "(or export the variable before starting it)")
     os.environ.update(env)
+
+
+def internal_env() -> dict[str, str]:
+    """What this machine's Ray nodes need beyond the config: kvtide's HAProxy (cluster/haproxy_shim.py, the
+    console script beside this Python) and a cluster secret for the internal hops (deployments/internal_auth.py).
+
+    The secret is made once per process, 32 random bytes in a file only its owner reads, unless the
+    environment names one already (KVTIDE_INTERNAL_SECRET_FILE)."""
+    global _secret_file
+    env = {"RAY_SERVE_HAPROXY_BINARY_PATH": str(Path(sys.executable).with_name("kvtide-haproxy"))}
+    if os.environ.get(SECRET_FILE_ENV):
+        return env
+    if _secret_file is None:
+        fd, path = tempfile.mkstemp(prefix="kvtide-internal-secret-")  # mode 0600
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(32))
+        _secret_file = path
+    return {**env, SECRET_FILE_ENV: _secret_file}
+
+
+_secret_file: str | None = None
 
 
 def start(config: KvtideConfig, *, num_cpus: float | None = None,

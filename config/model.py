@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,7 +46,14 @@ from kvtide.config.vllm_args import check_extra_args, engine_arg_names
 # `observe layer4 error-limit 3`); see KvtideConfig.ray_process_env.
 HAPROXY_MARK_DOWN_ERRORS = 3
 # HAProxy's retry-on in direct mode (the reason is at its use in ray_process_env).
-HAPROXY_RETRY_ON = "conn-failure empty-response junk-response 500 503"
+HAPROXY_RETRY_ON = "conn-failure empty-response junk-response 503"
+# How long a stopping engine replica may drain when requests have no deadline (Serve's
+# graceful_shutdown_timeout_s, kvtide.cluster.app), and so the longest a request may last then.
+DRAIN_TIMEOUT_WITHOUT_DEADLINE_S = 600.0
+# hard-stop-after beyond the longest a request may last: more than HAProxy spends on a request
+# before the replica's deadline starts (the routing peer's consult, the body wait and a connect
+# per retry, each bounded by Ray's HAProxy timeouts).
+HAPROXY_HARD_STOP_MARGIN_S = 60
 
 # The demo model's name in configs; resolved to its local cache dir by kvtide.deployments.engine.demo_model.
 DEMO_MODEL = "demo"
@@ -213,12 +221,24 @@ class AuthConfig(Strict):
     and stored in serveConfigV2; they come from an env var (the chart fills it from a Secret) or a file."""
 
     api_keys_env: str | None = Field(
-        "KVTIDE_API_KEYS", min_length=1, description="Env var holding comma-separated API keys; unset or empty: none "
-                                                     "from it. The chart sets it from apiKeys.existingSecret.")
+        "KVTIDE_API_KEYS", min_length=1, description="Env var holding comma-separated API keys, each '<key>' or "
+                                                     "'<tenant> <key>'; unset or empty: none from it.")
     api_keys_file: str | None = Field(
-        None, min_length=1, description="File with one API key per line (# comments); read when a frontend starts.")
+        None, min_length=1, description="File with one API key per line, '<key>' or '<tenant> <key>' (# comments); "
+                                        "read when a frontend or routing peer starts. The chart mounts "
+                                        "apiKeys.existingSecret here.")
     require_keys: bool = Field(
         False, description="Refuse to start when no key was found, so a missing Secret cannot open the API.")
+    tenant_cache_isolation: bool = Field(
+        True, description="Mix each tenant's tag (a tenant is an API key, or the name its keys share) into the "
+                          "cache salt, so a tenant reuses only KV blocks its own requests computed and cannot tell "
+                          "another's prompts from cached_tokens or timing. false: tenants share the prefix cache.")
+    tenant_requests_per_s: float | None = Field(
+        None, gt=0, description="Requests per second each tenant may start on one serving replica (a token bucket, "
+                                "429 with Retry-After above); the fleet admits up to this times the replicas. "
+                                "null: no per-tenant limit.")
+    tenant_burst: int = Field(
+        20, ge=1, description="Requests a tenant may start at once above tenant_requests_per_s (the bucket's size).")
 
 
 class FrontendConfig(Strict):
@@ -232,6 +252,8 @@ class FrontendConfig(Strict):
                                 "null: 16 x engine.max_model_len.")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    openapi_docs: bool = Field(
+        False, description="Serve the API's description (/docs, /redoc, /openapi.json); off, they answer 404.")
 
 
 class HttpConfig(Strict):
@@ -259,6 +281,12 @@ class HttpConfig(Strict):
                                     "the tokenizer (0: on the peer's event loop). HAProxy consults the peer before "
                                     "every POST; tokenized one after another, a burst of requests reaches the "
                                     "engine spread over several engine steps.")
+    router_tokenize_timeout_s: float = Field(
+        2.0, gt=0, le=60, description="Longest the routing peer tokenizes one request; past it (or while every "
+                                      "tokenize thread has a backlog) the request is routed by load alone.")
+    header_timeout_s: int = Field(
+        10, ge=1, le=300, description="Longest HAProxy waits for a client's request headers (timeout http-request): "
+                                      "a connection that never finishes its headers is closed, not held.")
     router_replicas_per_node: int = Field(
         1, ge=1, le=16, description="Routing peer replicas per HAProxy node (RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE); "
                                     "HAProxy's Lua takes them in turn. Each peer answers one consult at a time on its "
@@ -339,6 +367,9 @@ class KvtideConfig(Strict):
                 "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
                 "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(self.http.router_buffer_bytes),
                 "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE": str(self.http.router_replicas_per_node),
+                # kvtide's HAProxy rules (cluster/haproxy_shim.py): how long a client may take to send its
+                # request headers before HAProxy closes the connection.
+                "KVTIDE_HAPROXY_HEADER_TIMEOUT_S": str(self.http.header_timeout_s),
                 # Retry before the first byte: a replica that refuses the connection (dead,
                 # draining) is retried on another. HAProxy balances by least connections, so a
                 # dead replica (no connections) is picked again until its third refused
@@ -354,13 +385,22 @@ class KvtideConfig(Strict):
                 # (its engine died or failed before the response began), which another replica can
                 # serve. A killed replica's engine core can die first; the replica then answers
                 # with it until its own process dies (tests/integration/test_reliability.py kills one).
-                # And a 500, for the same reason: vLLM's layer answers a request on a dead engine
-                # with 500 (EngineDeadError), and Ray's replica wrapper answers a plain-text 500 for
-                # an error escaping the app, as in a replica being torn down; kvtide's own 500 says
-                # "retry the request" too. A 500 that every replica gives still reaches the client.
+                # vLLM's layer answers a request on an engine that was dead already with a 500
+                # (EngineDeadError); kvtide turns that one into this 503 before any byte goes out
+                # (frontend/vllm_layer.VllmLayerResponse). Never a 500: a request that killed its
+                # engine would be replayed onto the next replica, and the next.
                 # junk-response: a reply cut off in its headers, for the same reason. A stream that
                 # already began is never retried (its 200 went out; a failure then is an SSE event).
                 "RAY_SERVE_HAPROXY_RETRY_ON": HAPROXY_RETRY_ON,
+                # HAProxy reloads on every change of the replica set (a replica started, stopped or
+                # moved off a draining node): the old process keeps the connections it holds and is
+                # killed this long after, cutting any stream still open on it. So at least the
+                # longest a request may last (the request deadline; without one, the drain a stopping
+                # replica gets), plus what HAProxy spends before that deadline starts. Ray's default
+                # would cut a long stream at every scale-up or drain elsewhere in the cluster.
+                "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": str(
+                    math.ceil(self.frontend.admission.request_timeout_s or DRAIN_TIMEOUT_WITHOUT_DEADLINE_S)
+                    + HAPROXY_HARD_STOP_MARGIN_S),
             })
         return env
 

@@ -153,6 +153,13 @@ def overview() -> DashboardSpec:
         PanelSpec("Error share", (Query(_share(S, "5.."), "5xx"), Query(_share(S, "4.."), "4xx")),
                   unit="percentunit", width=8, description="Share of finished requests by status class; "
                   "503 also counts streams the engine failed mid-way (sent as HTTP 200).", preview=True),
+        PanelSpec("Requests / s by tenant and status",
+                  (Query(rate_sum(S, "ray_kvtide_tenant_requests_total", W, by="tenant, status"),
+                         "{{tenant}} {{status}}"),),
+                  unit="reqps", width=12,
+                  description="Each API key is a tenant (named in the keys file, else key-<hash>); none: keys "
+                              "off; unauthenticated: refused with 401. 429s here include a tenant's own rate limit "
+                              "(frontend.auth.tenant_requests_per_s)."),
         PanelSpec("Refused by admission / s by reason",
                   (Query(rate_sum(S, "ray_kvtide_admission_rejections_total", W, by="reason"), "{{reason}}"),),
                   unit="reqps", width=12, no_value="nothing refused",

@@ -24,12 +24,23 @@ this peer only with RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1 (KvtideConfi
 Never fails a request: a body that is not a valid request routes with no hashes (a
 load-only pick) and the replica answers the 400 itself. The peer also keeps the hot-prefix
 tracker a new engine replica asks before it takes traffic (it sees every POST of its node).
+
+No work for a stranger (internal_auth.py, tenancy.py): a consult without HAProxy's consult
+token is refused before its body is read; a request without a valid API key is routed by load
+without being parsed, rendered or tokenized (the replica answers its 401), and never feeds the
+hot-prefix list. With a key, the request's tenant salts its block hashes as the replica salts
+its prompt. The body is read up to HAProxy's buffer; tokenizing is bounded in time, and while
+every tokenize thread has a backlog a request is routed by load at once instead of queueing
+(requests keep flowing, at the cost of their cache affinity). The headers it returns are
+signed; a replica uses them only under that signature.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+import os
 from typing import Any, Awaitable, Callable
 
 from ray import serve
@@ -43,9 +54,15 @@ from kvtide.deployments.frontend.prompt_pool import PromptPool
 from kvtide.deployments.routing.response_pins import previous_response_owner
 from kvtide.deployments.frontend.prompts import SESSION_HEADER, Prompt, PromptBuilder, load_tokenizer, session_key
 from kvtide.deployments.frontend.routing_key import PromptRouting, prompt_block_hashes
+from kvtide.deployments.frontend.auth import authorize, load_api_keys
+from kvtide.deployments.internal_auth import CONSULT_HEADER, consult_allowed, load_internal_secret, sign_route
+from kvtide.deployments.tenancy import tenant_tag
 from kvtide.deployments.routing.trust import prediction_header
 
 logger = replica_logger("router_peer")
+# Tokenize calls a thread may have waiting or running before a new request is routed by load instead:
+# a burst still tokenizes side by side, a flood (or one slow render) never queues without bound.
+TOKENIZE_BACKLOG_PER_THREAD = 8
 
 
 @serve.ingress()
@@ -54,6 +71,11 @@ class RouterPeer:
 
     def __init__(self, engine: DeploymentHandle, config_dict: dict):
         config: KvtideConfig = parse_config(config_dict)
+        self.secret = load_internal_secret(os.environ)  # refuses to start without the cluster secret
+        auth = config.frontend.auth
+        self.api_keys = load_api_keys(auth.api_keys_env, auth.api_keys_file, auth.require_keys, os.environ)
+        self.isolate_caches = auth.tenant_cache_isolation
+        self.tokenize_timeout_s = config.http.router_tokenize_timeout_s
         self.engine = engine
         self.block_size = config.engine.block_size
         self.buffer_bytes = config.http.router_buffer_bytes
@@ -63,39 +85,64 @@ class RouterPeer:
         self.routing = PromptRouting(config, tokenizer, HotPrefixTracker(self.block_size))
 
     def __serve_build_asgi_app__(self):
-        return route_app(self.route)
+        return route_app(self.route, self.secret, self.buffer_bytes)
 
-    async def route(self, body: bytes, session_header: str | None = None) -> dict[str, Any]:
+    async def route(self, body: bytes, session_header: str | None = None,
+                    authorization: str | None = None) -> dict[str, Any]:
         """The replica HAProxy should pin this request to."""
-        tokenize = functools.partial(routing_prompt_and_hashes, body=body, block_size=self.block_size)
-        prompt, hashes = await self.prompt_pool.run(tokenize) if self.prompt_pool else tokenize(self.prompts)
+        decision = authorize(self.api_keys, authorization)
+        if not decision.ok:  # the replica answers the 401; nothing here parses, renders or books for it
+            return {"replica_id": await self._pick(RoutingKey()), "request_headers": {}}
+        tag = tenant_tag(decision.tenant)
+        prompt, hashes = await self._prompt_and_hashes(body, tag)
         token_ids = prompt.token_ids if prompt is not None else []
         if prompt is not None:
             self.routing.observe(token_ids, hashes, prompt.request.cache_salt)
         key = RoutingKey(block_hashes=hashes,
                          session_key=session_key(prompt, session_header),
                          prompt=self.routing.prompt_text(token_ids),
-                         pinned_replica=previous_response_owner(body))
-        async with self.engine.choose_replica(key, _reserve=False) as selection:
-            replica_id = selection._replica.replica_id.to_full_id_str()
+                         pinned_replica=previous_response_owner(body, tag))
+        replica_id = await self._pick(key)
         # HAProxy sets these headers on the request it forwards: the replica skips tokenizing
         # and hashing, and learns what the router expected it to have cached.
         room_bytes = self.buffer_bytes - len(body) - HEADER_HEADROOM_BYTES
         try:
-            headers = route_headers(self.prompts, token_ids, key, room_bytes)
+            headers = sign_route(self.secret, body, route_headers(self.prompts, token_ids, key, room_bytes))
         except Exception as exc:  # a bug on some input costs the replica a tokenization, never the request
             logger.warning("routing headers failed (%s); the replica tokenizes the request itself", type(exc).__name__)
             headers = {}
         return {"replica_id": replica_id, "request_headers": headers}
+
+    async def _pick(self, key: RoutingKey) -> str:
+        async with self.engine.choose_replica(key, _reserve=False) as selection:
+            return selection._replica.replica_id.to_full_id_str()
+
+    async def _prompt_and_hashes(self, body: bytes, tag: str | None) -> tuple[Prompt | None, tuple]:
+        """The body's prompt and block hashes (salted for the tenant `tag`), or (None, ()) to route by load: an
+        invalid body, tokenize threads all backlogged, or tokenizing past its time bound."""
+        tokenize = functools.partial(routing_prompt_and_hashes, body=body, block_size=self.block_size,
+                                     tenant=tag, isolate_caches=self.isolate_caches)
+        if self.prompt_pool is None:
+            return tokenize(self.prompts)
+        if self.prompt_pool.saturated(TOKENIZE_BACKLOG_PER_THREAD):
+            logger.warning("every tokenize thread has a backlog; a request is routed by load")
+            return None, ()
+        try:
+            return await self.prompt_pool.run(tokenize, self.tokenize_timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            logger.warning("tokenizing a request took over %s s; it is routed by load", self.tokenize_timeout_s)
+            return None, ()
 
     async def hot_prefixes(self, limit: int = 32) -> list[tuple[list[int], float]]:
         """Handle method (not HTTP): shared prefixes a new engine replica should prefill."""
         return self.routing.hottest(limit)
 
 
-def routing_prompt_and_hashes(prompts: PromptBuilder, body: bytes, block_size: int) -> tuple[Prompt | None, tuple]:
-    """A body's prompt (None when invalid) and its block hashes, salted by its cache_salt."""
-    prompt = prompts.routing_prompt(body)
+def routing_prompt_and_hashes(prompts: PromptBuilder, body: bytes, block_size: int, tenant: str | None = None,
+                              isolate_caches: bool = True) -> tuple[Prompt | None, tuple]:
+    """A body's prompt (None when invalid) and its block hashes, salted by its cache_salt (with the tag of the
+    tenant `tenant` mixed in, as the replica mixes it, tenancy.py)."""
+    prompt = prompts.routing_prompt(body, tenant, isolate_caches)
     if prompt is None:
         return None, ()
     return prompt, prompt_block_hashes(prompt.token_ids, block_size, prompt.request.cache_salt)
@@ -103,10 +150,17 @@ def routing_prompt_and_hashes(prompts: PromptBuilder, body: bytes, block_size: i
 
 ROUTE_PATH = "/internal/route"
 _SESSION_HEADER_KEY = SESSION_HEADER.encode("latin-1")
+_CONSULT_KEY = CONSULT_HEADER.encode("latin-1")
 
 
-def route_app(route: Callable[[bytes, str | None], Awaitable[dict[str, Any]]]) -> Callable[..., Awaitable[None]]:
-    """The peer's HTTP face, a bare ASGI callable: POST /internal/route → `route(body, session header)` as JSON.
+def route_app(route: Callable[[bytes, str | None, str | None], Awaitable[dict[str, Any]]], secret: bytes,
+              max_body_bytes: int) -> Callable[..., Awaitable[None]]:
+    """The peer's HTTP face, a bare ASGI callable: POST /internal/route → `route(body, session header,
+    Authorization header)` as JSON.
+
+    Only HAProxy's consults are answered (internal_auth.CONSULT_HEADER; 403 before the body is read).
+    A body is read up to `max_body_bytes` (HAProxy's buffer, all it ever sends); past that it is
+    routed as an empty one, by load.
 
     Every POST a client sends waits for this answer (HAProxy's Lua consults it before it
     forwards, and reads the answer until the peer closes the connection), so it skips
@@ -125,21 +179,28 @@ def route_app(route: Callable[[bytes, str | None], Awaitable[dict[str, Any]]]) -
                     return
         if scope["type"] != "http":
             return
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
+                   if name in (_SESSION_HEADER_KEY, _CONSULT_KEY, b"authorization")}
         if scope["method"] != "POST" or not scope["path"].endswith(ROUTE_PATH):
             status, answer = 404, {"error": f"the routing peer answers only POST {ROUTE_PATH}"}
+        elif not consult_allowed(secret, headers.get(CONSULT_HEADER)):
+            status, answer = 403, {"error": "the routing peer answers only its node's HAProxy"}
         else:
-            chunks = []
+            chunks, size = [], 0
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     return
-                chunks.append(message.get("body", b""))
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size <= max_body_bytes:
+                    chunks.append(chunk)
                 if not message.get("more_body"):
                     break
-            # HAProxy forwards the client's session header (Ray's RAY_SERVE_SESSION_ID_HEADER_KEY).
-            session = next((value.decode("latin-1") for name, value in scope["headers"]
-                            if name == _SESSION_HEADER_KEY), None)
-            status, answer = 200, await route(b"".join(chunks), session)
+            # HAProxy forwards the client's session header (Ray's RAY_SERVE_SESSION_ID_HEADER_KEY) and,
+            # through kvtide's Lua (cluster/haproxy_shim.py), its Authorization header.
+            status, answer = 200, await route(b"".join(chunks) if size <= max_body_bytes else b"",
+                                              headers.get(SESSION_HEADER), headers.get("authorization"))
         body = json.dumps(answer, separators=(",", ":")).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})

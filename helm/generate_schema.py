@@ -232,11 +232,37 @@ def chart_properties() -> dict[str, Schema]:
         ),
         "apiKeys": _obj(
             {
-                "existingSecret": _str("Secret holding the API keys (comma-separated); empty = no keys from a Secret."),
-                "secretKey": _str("Key inside that Secret."),
+                "existingSecret": _str("Secret holding the key file (one `<key>` or `<tenant> <key>` per line, `#` comments); "
+                                       "empty = no keys, which needs kvtide.frontend.auth.require_keys false."),
+                "secretKey": _str("Key inside that Secret: the file name under /etc/kvtide/api-keys/.",
+                                  pattern="^[-._a-zA-Z0-9]+$"),
             },
-            "API keys for the OpenAI endpoint (Authorization: Bearer), from a Secret into env kvtide.frontend.auth.api_keys_env.",
+            "API keys for the OpenAI endpoint (Authorization: Bearer): the Secret is mounted as a file on every Ray pod "
+            "and kvtide.frontend.auth.api_keys_file points at it.",
         ),
+        "internalSecret": _obj(
+            {
+                "existingSecret": _str("Secret with key `secret` (at least 32 random bytes); empty = the chart-generated "
+                                       "<fullname>-internal."),
+            },
+            "The cluster's internal secret (HMAC of the routing headers, HAProxy's consult token), mounted at "
+            "/etc/kvtide/internal/secret on every Ray pod.",
+        ),
+        "rayAuth": _obj(
+            {
+                "enabled": _bool("Ray token authentication (KubeRay authOptions.mode token); false = mode disabled."),
+                "existingSecret": _str("Secret with key `auth_token`; empty = the chart-generated <fullname>-ray-auth."),
+            },
+            "Ray's token authentication for its RPCs, dashboard and client port.",
+        ),
+        "serviceAccount": _obj(
+            {"annotations": _map("Annotations on the Ray pods' ServiceAccounts.")},
+            "The Ray pods' ServiceAccounts (no API token except on the head while Ray's autoscaler runs).",
+        ),
+        "podSecurityContext": _k8s("Pod securityContext of every Ray pod (restricted Pod Security profile by default)."),
+        "securityContext": _k8s("securityContext of every Ray container and the Ray autoscaler sidecar."),
+        "homeDir": _str("Home directory of the image's user; its cache/config subdirectories get writable volumes.",
+                        pattern="^/"),
         "env": _k8s("Extra env vars for every Ray container.", "array"),
         "envFrom": _k8s("Extra envFrom sources for every Ray container.", "array"),
         "service": _obj(
@@ -339,12 +365,23 @@ def chart_properties() -> dict[str, Schema]:
         ),
         "networkPolicy": _obj(
             {
-                "enabled": _bool("Create a NetworkPolicy for the Ray pods."),
+                "enabled": _bool("Create the NetworkPolicies of the Ray pods."),
                 "servePeers": _peers("Who may reach the OpenAI port; empty = anyone."),
-                "metricsPeers": _peers("Who may scrape the metrics port; empty = anyone."),
-                "dashboardPeers": _peers("Who may reach the Ray dashboard/Serve status ports (KubeRay operator); empty = anyone."),
+                "metricsPeers": _peers("Who may scrape the metrics port; empty = nobody."),
+                "kuberayOperatorPeers": _peers("The KubeRay operator's pods: the Ray dashboard (8265) and the serve port."),
+                "dashboardPeers": _peers("Who else may reach the Ray dashboard (8265); empty = nobody else."),
+                "dnsPeers": _peers("Where DNS queries (53) may go; empty = any address."),
+                "kubernetesApiPeers": _peers("Where the head may reach the Kubernetes API while Ray's autoscaler runs; "
+                                             "empty = any address on kubernetesApiPorts."),
+                "kubernetesApiPorts": {
+                    "type": "array",
+                    "items": {"type": "integer", "minimum": 1, "maximum": 65535},
+                    "description": "Ports of the Kubernetes API.",
+                },
+                "egressPeers": _peers("Other destinations every Ray pod may reach, on every port (model hub, Redis); empty = none."),
+                "extraEgress": _k8s("Further NetworkPolicyEgressRule objects.", "array"),
             },
-            "Optional NetworkPolicy.",
+            "NetworkPolicies of the Ray pods (ingress and egress).",
         ),
     }
 

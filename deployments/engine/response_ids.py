@@ -11,19 +11,21 @@ from typing import Any, Callable
 
 from starlette._utils import get_route_path
 
+from kvtide.deployments.tenancy import tag_of_scope
 from kvtide.deployments.routing.response_pins import RESPONSES_PATH, tagged_response_id
 
 
-def with_response_id(body: bytes, replica_id: str) -> bytes:
-    """A `POST /v1/responses` body with a `request_id` (vLLM's response id) naming this replica, unless
-    the client named one; a body that is not a JSON object is vLLM's to refuse, unchanged."""
+def with_response_id(body: bytes, replica_id: str, tenant_tag: str | None = None) -> bytes:
+    """A `POST /v1/responses` body with a `request_id` (vLLM's response id) naming this replica (and ending in
+    the tenant's tag, tenancy.py), unless the client named one; a body that is not a JSON object is
+    vLLM's to refuse, unchanged."""
     try:
         data = json.loads(body)
     except ValueError:
         return body
     if not isinstance(data, dict) or "request_id" in data:
         return body
-    data["request_id"] = tagged_response_id(replica_id)
+    data["request_id"] = tagged_response_id(replica_id, tenant_tag)
     return json.dumps(data).encode()
 
 
@@ -39,7 +41,7 @@ def tagging_app(app: Callable[..., Any], replica_id: str) -> Callable[..., Any]:
             return
         first = await receive()
         if first.get("type") == "http.request" and not first.get("more_body"):
-            body = with_response_id(first.get("body", b""), replica_id)
+            body = with_response_id(first.get("body", b""), replica_id, tag_of_scope(scope["headers"]))
             first = {**first, "body": body}
             scope = {**scope, "headers": [*((k, v) for k, v in scope["headers"] if k.lower() != b"content-length"),
                                           (b"content-length", str(len(body)).encode())]}

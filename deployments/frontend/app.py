@@ -31,6 +31,7 @@ engine replica serving HTTP directly; the same routes either way.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -50,6 +51,8 @@ from kvtide.deployments.frontend.metrics import FrontendMetrics
 from kvtide.deployments.frontend import tokenize_api
 from kvtide.deployments.frontend.prompts import PromptBuilder, load_tokenizer, parse_json_body
 from kvtide.deployments.frontend.protocol import ApiError, error_body, validation_error_to_api
+from kvtide.deployments.frontend.tenant_limits import TenantRateLimiter
+from kvtide.deployments.tenancy import request_tenant, set_request_tenant
 from kvtide.deployments.frontend.vllm_layer import vllm_layer_field
 
 logger = replica_logger("openai_app")
@@ -110,10 +113,12 @@ VLLM_ROUTES_NOT_SERVED = {
 
 
 def _authorize(api_keys: ApiKeys, request: Request) -> None:
-    """Raises _Unauthorized unless the request carries an accepted key (or keys are off)."""
+    """Raises _Unauthorized unless the request carries an accepted key (or keys are off); leaves the key's
+    tenant on the request (tenancy.request_tenant)."""
     decision = authorize(api_keys, request.headers.get("authorization"))
     if not decision.ok:
         raise _Unauthorized(decision.message)
+    set_request_tenant(request.scope, decision.tenant)
 
 
 def _unauthorized_response(frontend: OpenAIFrontend, path: str, exc: _Unauthorized) -> JSONResponse:
@@ -130,6 +135,9 @@ class OpenAIApp:
         self.fastapi_app = fastapi_app
         self.frontend = frontend
         self.api_keys = api_keys
+        auth = frontend.config.frontend.auth
+        self.tenant_limits = (TenantRateLimiter(auth.tenant_requests_per_s, auth.tenant_burst)
+                              if auth.tenant_requests_per_s and api_keys.enabled else None)
 
     @property
     def routes(self) -> list[Any]:
@@ -143,19 +151,49 @@ class OpenAIApp:
             await self.fastapi_app(scope, receive, send)
             return
         request = Request(scope, receive)
+        tenant = "unauthenticated"
         try:
             _authorize(self.api_keys, request)
         except _Unauthorized as exc:
             response = _unauthorized_response(self.frontend, path, exc)
         else:
-            response = await self.frontend.handle(request, endpoint)  # every failure is an OpenAI body
-        await response(scope, receive, send)
+            tenant = request_tenant(request) or "none"
+            limited = self._tenant_limited(tenant, endpoint)
+            # every failure is an OpenAI body
+            response = limited if limited is not None else await self.frontend.handle(request, endpoint)
+        model = self.frontend.model_name
+
+        async def counted(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.frontend.metrics.on_tenant_request(model, tenant, message["status"])
+            await send(message)
+
+        await response(scope, receive, counted)
+
+    def _tenant_limited(self, tenant: str, endpoint: str) -> JSONResponse | None:
+        """The 429 of a tenant past its rate (frontend.auth.tenant_requests_per_s), else None."""
+        if self.tenant_limits is None:
+            return None
+        retry_after_s = self.tenant_limits.retry_after_s(tenant, time.monotonic())
+        if retry_after_s is None:
+            return None
+        frontend = self.frontend
+        frontend.metrics.on_rejected(frontend.model_name, "tenant_rate")
+        frontend.metrics.on_request_done(frontend.model_name, endpoint, 429)
+        return error_response(ApiError(
+            429, "this API key is over its request rate; retry after the Retry-After delay", code="rate_limit_exceeded",
+            headers={"Retry-After": str(retry_after_s)}))
 
 
 def build_openai_app(frontend: OpenAIFrontend, api_keys: ApiKeys,
                      is_ready: Callable[[], Awaitable[bool]]) -> OpenAIApp:
     """The app one replica serves; `is_ready` says whether an engine can take a request now."""
-    app = FastAPI(title="kvtide", description="OpenAI-compatible LLM serving on Ray Serve")
+    # The API's own description (/docs, /redoc, /openapi.json) only where frontend.openapi_docs asks for it:
+    # open to anyone, it maps the attack surface.
+    docs = frontend.config.frontend.openapi_docs
+    app = FastAPI(title="kvtide", description="OpenAI-compatible LLM serving on Ray Serve",
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -46,6 +46,9 @@ class FrontendMetrics:
             boundaries=LATENCY_BUCKETS_S, tag_keys=tags)
         self.requests = metrics.Counter(
             "kvtide_requests", "Finished requests by HTTP status.", tag_keys=("model", "endpoint", "status"))
+        self.tenant_requests = metrics.Counter(
+            "kvtide_tenant_requests", "Generation requests by tenant (the API key's, deployments/tenancy.py; none: "
+            "keys off; unauthenticated: refused with 401) and HTTP status.", tag_keys=("model", "tenant", "status"))
         self.prompt_tokens = metrics.Counter(
             "kvtide_prompt_tokens", "Prompt tokens admitted.", tag_keys=tags)
         self.output_tokens = metrics.Counter(
@@ -91,3 +94,6 @@ class FrontendMetrics:
 
     def on_request_done(self, model: str, endpoint: str, status: int) -> None:
         self.requests.inc(1, {"model": model, "endpoint": endpoint, "status": str(status)})
+
+    def on_tenant_request(self, model: str, tenant: str, status: int) -> None:
+        self.tenant_requests.inc(1, {"model": model, "tenant": tenant, "status": str(status)})

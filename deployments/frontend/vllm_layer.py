@@ -29,6 +29,7 @@ from starlette.responses import Response
 from kvtide.deployments.frontend.admission import AdmissionLimits
 from kvtide.deployments.frontend.engine_client import backpressure_error, engine_failure_kind, unavailable_error
 from kvtide.deployments.frontend.protocol import MAX_CHOICES, ApiError
+from kvtide.deployments.tenancy import scoped_headers
 from kvtide.deployments.routing.response_pins import response_owner
 from kvtide.deployments.frontend.unsupported import NOT_HONOURED, first_unhonoured
 from kvtide.deployments.logs import replica_logger
@@ -185,14 +186,27 @@ class VllmLayerResponse(Response):
     stream's first event goes out: vLLM sends it with the first generated token, so it marks
     the client's time to first token; with `first_token_marker`, the first event holding those
     bytes does (FIRST_TOKEN_MARKERS).
+
+    `engine_dead()` says whether the engine behind `app` is dead (direct mode: this replica's own;
+    None where it is another's). vLLM's layer answers a request on a dead engine with a 500
+    (EngineDeadError), and HAProxy retries no 500: a request that killed its engine would be
+    replayed onto the next one. So where the engine was dead already when the request was handed
+    over, that 500 is replaced, before any byte of it goes out, by `unavailable` (kvtide's
+    retryable 503, engine_unavailable), which HAProxy retries on another replica. A 500 from an
+    engine that was alive at the hand-over reaches the client: this request may be what killed it.
     """
 
     def __init__(self, app: Any, body: bytes, timeout_s: float | None, timeout_error: ApiError,
                  on_done: Callable[[int], None], extra_headers: dict[str, str] | None = None,
                  on_first_chunk: Callable[[], None] = lambda: None, first_token_marker: bytes | None = None,
-                 drop_request_id_header: bool = False):
+                 drop_request_id_header: bool = False, tag: str | None = None, path: str = ""):
         super().__init__()
+        # The tenant's tag (tenancy.py) and the request's path scoped to it: vLLM's layer sees ids and
+        # stored-response paths as the tenant's own, and the tag header only the frontend sets.
+        self.tag, self.path = tag, path
         self.drop_request_id_header = drop_request_id_header  # names_its_request_id
+        self.engine_dead: Callable[[], bool] | None = None  # set by the caller (class docstring)
+        self.unavailable: ApiError | None = None
         self.on_first_chunk, self.first_token_marker = on_first_chunk, first_token_marker
         self.app, self.body, self.timeout_s = app, body, timeout_s
         self.timeout_error, self.on_done = timeout_error, on_done
@@ -210,10 +224,20 @@ class VllmLayerResponse(Response):
             return await receive()  # after the body: the client's disconnect, which vLLM watches
 
         first_chunk = True
+        # Read once, at the hand-over: whether the request reached a live engine (class docstring).
+        dead_engine = self.unavailable is not None and self.engine_dead is not None and self.engine_dead()
+        replaced = False  # vLLM's 500 was replaced by `unavailable`: the rest of vLLM's answer is dropped
 
         async def tracked(message: dict[str, Any]) -> None:
-            nonlocal first_chunk
+            nonlocal first_chunk, replaced
+            if replaced:
+                return
             if message["type"] == "http.response.start":
+                if dead_engine and message.get("status") == 500:
+                    replaced = True
+                    started.update(status=self.unavailable.status, replaced=True)
+                    await _send_error(send, self.unavailable)
+                    return
                 message = {**message, "headers": [*message.get("headers", []), *self.extra_headers]}
                 started.update(message)
             elif first_chunk and message.get("body") and message.get("more_body") and (  # a stream's event
@@ -226,6 +250,10 @@ class VllmLayerResponse(Response):
         scope = dict(scope)
         if self.drop_request_id_header:
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"x-request-id"]
+        scope["headers"] = scoped_headers(scope.get("headers", []), self.tag)
+        if self.path and self.path != get_route_path(scope):
+            scope["path"] = scope.get("root_path", "") + self.path
+            scope["raw_path"] = scope["path"].encode("utf-8")
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self.app(scope, replay, tracked)
@@ -243,6 +271,8 @@ class VllmLayerResponse(Response):
         err = self.timeout_error
         if not started:
             await _send_error(send, err)
+            return
+        if started.get("replaced"):  # the whole 503 went out already
             return
         # The 200 went out: a stream ends with an error event, as kvtide's own streams do.
         is_stream = any(k == b"content-type" and v.startswith(b"text/event-stream")

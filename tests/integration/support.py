@@ -198,8 +198,10 @@ def generated_until_aborted(client: httpx.Client, model: str, request_id: str,
     raise AssertionError(f"{request_id}: the request ran to max_tokens despite its abort, {ABORT_TRIES} times")
 
 
-def _abort_try(client: httpx.Client, model: str, request_id: str, max_tokens: int) -> tuple[int, list[Any]]:
-    """One try: the stream read on its own thread while the abort is sent after its first event."""
+def _abort_try(client: httpx.Client, model: str, request_id: str, max_tokens: int,
+               abort_client: httpx.Client | None = None) -> tuple[int, list[Any]]:
+    """One try: the stream read on its own thread while the abort is sent after its first event (by
+    `abort_client`, default `client`)."""
     body = {"model": model, "token_ids": [5, 6, 7], "request_id": request_id, "stream": True,
             "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True}}
     events: list[str] = []
@@ -224,7 +226,8 @@ def _abort_try(client: httpx.Client, model: str, request_id: str, max_tokens: in
     reader.start()
     assert first_event.wait(120), "no first event in 120 s"
     # vLLM's engine knows the request as generate-tokens-<request_id>
-    aborted = client.post("/inference/v1/abort_requests", json={"request_ids": [f"generate-tokens-{request_id}"]})
+    aborted = (abort_client or client).post("/inference/v1/abort_requests",
+                                            json={"request_ids": [f"generate-tokens-{request_id}"]})
     assert aborted.status_code == 200, aborted.text
     reader.join(300)
     assert not reader.is_alive() and not failure, failure or "the stream did not end in 300 s"

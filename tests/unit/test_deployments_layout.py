@@ -10,7 +10,7 @@ PREFIX = "kvtide.deployments."
 
 # Each part of deployments/ and the parts it may import. "shared" is the top-level
 # non-entry modules; engine and frontend are siblings: neither imports the other.
-SHARED = {"messages", "names", "logs", "metric_sampling"}
+SHARED = {"messages", "names", "logs", "metric_sampling", "internal_auth", "tenancy"}
 ENTRY_POINTS = {"server", "router_peer", "ingress"}
 ALLOWED = {
     "shared": {"shared"},

@@ -17,6 +17,7 @@ from fakes import FakeTokenizer
 from kvtide.config import parse_config
 from kvtide.deployments.frontend.admission import Deadline, admission_limits
 from kvtide.deployments.frontend.auth import ApiKeys
+from kvtide.deployments.internal_auth import sign_route
 from kvtide.deployments.frontend.engine_client import HandleEngineClient, LocalEngineClient
 from kvtide.deployments.frontend.pipeline import OpenAIFrontend
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec
@@ -39,6 +40,7 @@ class FakeMetrics:
         self.rejected: list[str] = []
         self.phases: list[tuple[float, float, float]] = []
         self.predictions: list[tuple[str, Comparison]] = []
+        self.tenants: list[tuple[str, int]] = []
         self.ttft_s = self.itl_s = self.e2e_s = self.prompt_tokens = self.output_tokens = self
 
     def observe(self, *_: Any) -> None:
@@ -62,6 +64,9 @@ class FakeMetrics:
 
     def on_prediction(self, model: str, comparison: Comparison) -> None:
         self.predictions.append((model, comparison))
+
+    def on_tenant_request(self, model: str, tenant: str, status: int) -> None:
+        self.tenants.append((tenant, status))
 
 
 def _deltas(n: int) -> list[GenerateDelta]:
@@ -106,7 +111,7 @@ def _app(keys: list[str] | None = None, engine=None, metrics: FakeMetrics | None
     return TestClient(build_openai_app(frontend, ApiKeys(keys or []), ready)), metrics
 
 
-def _recording_client(accepts_router_headers: bool = False) -> tuple[TestClient, list[GenerateRequest]]:
+def _recording_client(router_secret: bytes | None = None) -> tuple[TestClient, list[GenerateRequest]]:
     """An app over a one-token local engine that records every GenerateRequest it is sent."""
     seen: list[GenerateRequest] = []
 
@@ -117,7 +122,7 @@ def _recording_client(accepts_router_headers: bool = False) -> tuple[TestClient,
 
     frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
                               LocalEngineClient(generate, admission_limits(CONFIG)), FakeMetrics(), None)
-    frontend.accepts_router_headers = accepts_router_headers
+    frontend.router_secret = router_secret
 
     async def ready() -> bool:
         return True
@@ -453,12 +458,25 @@ def test_handle_client_gives_503_after_max_retries_and_429_on_backpressure():
     assert info.value.status == 429 and handle.calls == ["req"]
 
 
-@pytest.mark.parametrize(("trusted", "expected_prompt_tokens"), [(True, [7, 8, 9]), (False, [1, 97, 98, 99])])
-def test_routed_tokens_header_is_used_only_where_trusted(trusted, expected_prompt_tokens):
-    """Direct mode tokenizes once (the routing peer's header); elsewhere a client's copy of the header is ignored."""
-    client, seen = _recording_client(trusted)
-    resp = client.post("/v1/completions", json={"model": "m", "prompt": "abc", "max_tokens": 1},
-                       headers={ROUTED_TOKENS_HEADER: encode_token_ids([7, 8, 9])})
+ROUTER_SECRET = b"s" * 32
+ROUTED_BODY = json.dumps({"model": "m", "prompt": "abc", "max_tokens": 1}).encode()
+
+
+@pytest.mark.parametrize(("replica_secret", "signer_secret", "signed_body", "expected_prompt_tokens"), [
+    (ROUTER_SECRET, ROUTER_SECRET, ROUTED_BODY, [7, 8, 9]),  # the routing peer's, signed for this body
+    (ROUTER_SECRET, None, ROUTED_BODY, [1, 97, 98, 99]),  # unsigned: sent to the replica's port straight
+    (ROUTER_SECRET, b"x" * 32, ROUTED_BODY, [1, 97, 98, 99]),  # signed with another secret
+    (ROUTER_SECRET, ROUTER_SECRET, ROUTED_BODY.replace(b"abc", b"abd"), [1, 97, 98, 99]),  # lifted from another body
+    (None, ROUTER_SECRET, ROUTED_BODY, [1, 97, 98, 99]),  # ingress mode: no router headers at all
+])
+def test_routed_tokens_header_is_used_only_under_the_peers_signature(replica_secret, signer_secret, signed_body,
+                                                                     expected_prompt_tokens):
+    """Direct mode tokenizes once (the routing peer's signed header); a forged, unsigned or replayed one is ignored."""
+    client, seen = _recording_client(replica_secret)
+    headers = {ROUTED_TOKENS_HEADER: encode_token_ids([7, 8, 9])}
+    if signer_secret is not None:
+        headers = sign_route(signer_secret, signed_body, headers)
+    resp = client.post("/v1/completions", content=ROUTED_BODY, headers={**headers, "content-type": "application/json"})
     assert resp.status_code == 200, resp.text
     assert [list(request.prompt_token_ids) for request in seen] == [expected_prompt_tokens]
 
@@ -523,7 +541,7 @@ def _cached_deltas(cached_tokens: int, replica_id: str = "r1") -> list[GenerateD
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize(("trusted", "header", "expected"), [
     (True, "32;r1", [("m", Comparison("true_hit", -16))]),
-    (False, "32;r1", []),  # ingress mode: a client's copy of the router's header is ignored
+    (False, "32;r1", []),  # unsigned: a client's copy of the router's header is ignored
     (True, "32;r2", []),  # predicted for another replica (HAProxy redispatched): not compared
     (True, None, []),  # another policy, or a route without hashes: no prediction, nothing recorded
 ])
@@ -536,14 +554,17 @@ def test_predicted_cached_tokens_header_is_compared_only_where_trusted(stream, t
     metrics = FakeMetrics()
     frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
                               LocalEngineClient(generate, admission_limits(CONFIG)), metrics, None)
-    frontend.accepts_router_headers = trusted
+    frontend.router_secret = ROUTER_SECRET
 
     async def ready() -> bool:
         return True
 
     client = TestClient(build_openai_app(frontend, ApiKeys([]), ready))
-    resp = client.post("/v1/completions", json={**TRUST_BODY, "stream": stream},
-                       headers={PREDICTED_CACHED_TOKENS_HEADER: header} if header else {})
+    body = json.dumps({**TRUST_BODY, "stream": stream}).encode()
+    headers = {PREDICTED_CACHED_TOKENS_HEADER: header} if header else {}
+    if trusted:  # the routing peer's header, signed; else a client's copy, unsigned
+        headers = sign_route(ROUTER_SECRET, body, headers)
+    resp = client.post("/v1/completions", content=body, headers={**headers, "content-type": "application/json"})
     assert resp.status_code == 200, resp.text
     assert metrics.done == [200] and metrics.predictions == expected
 
@@ -591,12 +612,13 @@ def test_the_engine_gets_the_routing_peers_block_hashes_instead_of_hashing_again
     without its token ids, or where router headers are not accepted, the hashes header is ignored."""
     from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, encode_block_hashes
 
-    client, seen = _recording_client(accepted)
+    client, seen = _recording_client(ROUTER_SECRET if accepted else None)
     routed_ids = list(range(2, 2 + 2 * CONFIG.engine.block_size + 3))  # two full blocks
     headers = {ROUTED_HASHES_HEADER: encode_block_hashes((11, 22))}
     if with_tokens:
         headers[ROUTED_TOKENS_HEADER] = encode_token_ids(routed_ids)
-    resp = client.post("/v1/completions", json={"model": "m", "prompt": "abc", "max_tokens": 1}, headers=headers)
+    headers = sign_route(ROUTER_SECRET, ROUTED_BODY, headers)
+    resp = client.post("/v1/completions", content=ROUTED_BODY, headers={**headers, "content-type": "application/json"})
     assert resp.status_code == 200, resp.text
     assert seen[0].block_hashes == ((11, 22) if expect_routed else ())
 
@@ -651,3 +673,61 @@ def test_a_token_with_no_text_yet_is_still_a_chunk_as_vllm_sends_it(endpoint, em
     choice = json.loads(event.decode().removeprefix("data: "))["choices"][0]
     assert choice["delta" if endpoint == "chat" else "text"] == empty_body and "token_ids" not in choice
     assert renderer.delta(GenerateDelta(text="", num_output_tokens=1, num_prompt_tokens=3)) is None
+
+
+def _tenant_app(config=None, vllm_app=_stand_in_vllm_layer):
+    """An app with two tenants' keys (team-a: sk-a, team-b: sk-b) over a stand-in vLLM layer."""
+    config = config or CONFIG
+    metrics = FakeMetrics()
+    frontend = OpenAIFrontend(config, PromptBuilder(config, FakeTokenizer()), _local_engine(), metrics, None)
+    frontend.vllm_app = vllm_app
+
+    async def ready() -> bool:
+        return True
+
+    return TestClient(build_openai_app(frontend, ApiKeys(["team-a sk-a", "team-b sk-b"]), ready)), metrics
+
+
+def test_a_tenants_request_reaches_vllms_layer_with_its_ids_and_salt_made_its_own():
+    """Behind a key, vLLM's layer sees the body's request_id, previous_response_id and cache_salt and a stored
+    response's path scoped to the tenant (tenancy.py); the tenant is counted with the status it got."""
+    from kvtide.deployments.tenancy import tenant_tag
+
+    client, metrics = _tenant_app()
+    a = tenant_tag("team-a")
+    body = {"model": "m", "input": "hi", "request_id": "mine", "previous_response_id": "resp_x", "cache_salt": "s"}
+    seen = client.post("/v1/responses", json=body, headers={"Authorization": "Bearer sk-a"}).json()
+    assert seen["body"]["request_id"] == f"mine.{a}" and seen["body"]["previous_response_id"] == f"resp_x.{a}"
+    assert seen["body"]["cache_salt"] == f"{a}:s"
+    got = client.get("/v1/responses/resp_x", headers={"Authorization": "Bearer sk-a"}).json()
+    assert got["path"] == f"/v1/responses/resp_x.{a}"
+    assert client.post("/v1/responses", json=body).status_code == 401
+    assert metrics.tenants == [("team-a", 200), ("unauthenticated", 401)]
+
+
+def test_a_tenant_over_its_rate_gets_429_with_retry_after_and_others_are_not_held_back():
+    """frontend.auth.tenant_requests_per_s: past a tenant's burst its requests are 429 (Retry-After); another
+    tenant's still pass."""
+    config = CONFIG.model_copy(update={"frontend": CONFIG.frontend.model_copy(update={"auth": CONFIG.frontend.auth.
+                               model_copy(update={"tenant_requests_per_s": 0.001, "tenant_burst": 2})})})
+    client, metrics = _tenant_app(config)
+    body = {"model": "m", "prompt": "x", "max_tokens": 1}
+    codes = [client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-a"}) for _ in range(3)]
+    assert [r.status_code for r in codes] == [200, 200, 429]
+    assert codes[2].json()["error"]["code"] == "rate_limit_exceeded" and int(codes[2].headers["Retry-After"]) >= 1
+    assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-b"}).status_code == 200
+    assert metrics.rejected == ["tenant_rate"]
+
+
+def test_the_api_description_is_served_only_when_asked_for():
+    """/docs, /redoc and /openapi.json answer 404 by default; frontend.openapi_docs turns them on."""
+    client, _ = _app()
+    assert [client.get(p).status_code for p in ("/docs", "/redoc", "/openapi.json")] == [404, 404, 404]
+    config = CONFIG.model_copy(update={"frontend": CONFIG.frontend.model_copy(update={"openapi_docs": True})})
+    frontend = OpenAIFrontend(config, PromptBuilder(config, FakeTokenizer()), _local_engine(), FakeMetrics(), None)
+
+    async def ready() -> bool:
+        return True
+
+    client = TestClient(build_openai_app(frontend, ApiKeys([]), ready))
+    assert [client.get(p).status_code for p in ("/docs", "/redoc", "/openapi.json")] == [200, 200, 200]

@@ -42,14 +42,23 @@ _CRD_FILES = {
     ("monitoring.coreos.com/v1", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
 }
 
+# The chart refuses to render without API keys (kvtide.frontend.auth.require_keys defaults to
+# true), so every values override here names the key Secret, or turns keys off explicitly.
+API_KEYS_SECRET = "kvtide-api-keys"
+KEYS: dict[str, Any] = {"apiKeys": {"existingSecret": API_KEYS_SECRET}}
+NO_KEYS: dict[str, Any] = {"kvtide": {"frontend": {"auth": {"require_keys": False}}}}
+
 # Values matrix: each case is a values override as a user would write it in -f my-values.yaml.
 CASES: dict[str, dict[str, Any]] = {
-    "defaults": {},
+    "defaults": {**KEYS},
+    "keys_off_explicitly": {**NO_KEYS},
     "tp2_on_2gpu_nodes": {
+        **KEYS,
         "kvtide": {"engine": {"tensor_parallel_size": 2}},
         "workerGroups": [{"name": "a100x2", "gpusPerPod": 2, "acceleratorType": "NVIDIA-A100-SXM4-80GB"}],
     },
     "tp4_several_replicas": {
+        **KEYS,
         "kvtide": {
             "model": "meta-llama/Llama-3.1-70B-Instruct",
             "served_model_name": "llama-70b",
@@ -64,23 +73,30 @@ CASES: dict[str, dict[str, Any]] = {
         "hfToken": {"secretName": "hf-token"},
     },
     "fixed_replicas": {
+        **KEYS,
         "kvtide": {"replicas": {"num_replicas": 3, "min_replicas": None, "max_replicas": None}},
         "modelCache": {"type": "hostPath"},
     },
     "monitoring_off": {
+        **KEYS,
         "monitoring": {"podMonitor": {"enabled": False}, "prometheusRule": {"enabled": False}, "dashboards": {"enabled": False}},
         "podDisruptionBudget": {"enabled": False},
     },
     "ingress_on": {
+        **KEYS,
         "ingress": {"enabled": True, "className": "nginx", "tls": [{"hosts": ["kvtide.example.com"], "secretName": "tls"}]},
         "httpRoute": {"enabled": True, "parentRefs": [{"name": "inference-gateway", "namespace": "gateway"}]},
         "networkPolicy": {
-            "enabled": True,
-            "metricsPeers": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+            "servePeers": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}],
+            "metricsPeers": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "prometheus"}}}],
+            "dashboardPeers": [{"podSelector": {"matchLabels": {"app": "ray-dashboard-proxy"}}}],
+            "egressPeers": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["10.0.0.0/8"]}}],
+            "extraEgress": [{"ports": [{"port": 443, "protocol": "TCP"}]}],
         },
         "service": {"type": "LoadBalancer"},
     },
     "high_availability": {
+        **KEYS,
         "gcsFaultTolerance": {
             "enabled": True,
             "redisAddress": "redis-ha.redis.svc.cluster.local:6379",
@@ -88,9 +104,12 @@ CASES: dict[str, dict[str, Any]] = {
             "externalStorageNamespace": "kvtide-llm",
         },
         "kvtide": {"replicas": {"min_replicas": 2, "max_replicas": 4}},
+        # The head reaches Redis: egress is closed by default.
+        "networkPolicy": {"egressPeers": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "redis"}}}]},
         "podDisruptionBudget": {"maxUnavailable": 2, "unhealthyPodEvictionPolicy": "IfHealthyBudget", "head": {"enabled": True}},
     },
     "head_only_proxy": {
+        **KEYS,
         "proxyLocation": "HeadOnly",
         "head": {"runsReplicas": True},
         "kvtide": {"http": {"mode": "ingress"}},
@@ -220,7 +239,7 @@ def test_helm_lint_is_clean(case: str) -> None:
 
 def test_crd_validation_catches_a_misplaced_field() -> None:
     """The CRD check is not vacuous: a field KubeRay does not know fails instead of being pruned."""
-    obj = rayservice({})
+    obj = rayservice(KEYS)
     obj["spec"]["rayClusterConfig"]["headGroupSpec"]["gpus"] = 1
     with pytest.raises(AssertionError, match="headGroupSpec"):
         validate_object(obj)
@@ -231,10 +250,15 @@ def test_crd_validation_catches_a_misplaced_field() -> None:
 
 @pytest.mark.parametrize("case", CASES)
 def test_serve_config_args_are_the_kvtide_values(case: str) -> None:
-    """serveConfigV2's args parse into a KvtideConfig equal to the merged `kvtide` values."""
-    merged = _chart().merge_values(copy.deepcopy(CASES[case]))["kvtide"]
+    """serveConfigV2's args are the merged `kvtide` values, plus only where the mounted API key file is."""
+    values = _chart().merge_values(copy.deepcopy(CASES[case]))
+    merged = values["kvtide"]
+    if values["apiKeys"]["existingSecret"]:
+        # The one thing the chart adds: keys come from the Secret it mounts, and from no env var.
+        auth = merged.setdefault("frontend", {}).setdefault("auth", {})
+        auth.update(api_keys_file=f"/etc/kvtide/api-keys/{values['apiKeys']['secretKey']}", api_keys_env=None)
     (app,) = rendered_serve_config(CASES[case])["applications"]
-    assert app["args"] == merged  # verbatim: the chart adds, drops and renames nothing
+    assert app["args"] == merged  # otherwise verbatim: the chart drops and renames nothing
     assert parse_config(app["args"]) == parse_config(merged)
 
 
@@ -265,6 +289,8 @@ def test_chart_serve_config_equals_kvtide_serve_config(case: str) -> None:
     rendered = rendered_serve_config(CASES[case])
     config = parse_config(rendered["applications"][0]["args"])
     expected = _drop_nulls(serve_config(config))
+    # Nulls the chart writes itself (auth.api_keys_env with a key Secret) count as dropped too.
+    rendered = _drop_nulls(rendered)
     # The one chart value that is not kvtide config; its default is serve-config's EveryNode.
     expected["proxy_location"] = CASES[case].get("proxyLocation", expected["proxy_location"])
     assert rendered == expected
@@ -275,7 +301,7 @@ def test_serve_config_is_a_valid_ray_serve_deploy_config() -> None:
     """Ray Serve 2.60's own ServeDeploySchema accepts the rendered serveConfigV2."""
     from ray.serve.schema import ServeDeploySchema
 
-    schema = ServeDeploySchema.model_validate(rendered_serve_config({}))
+    schema = ServeDeploySchema.model_validate(rendered_serve_config(KEYS))
     (app,) = schema.applications
     assert (app.import_path, app.route_prefix) == ("kvtide.cluster.app:build_app", "/")
     assert schema.http_options.port == 8000 and schema.proxy_location.value == "EveryNode"
@@ -317,7 +343,7 @@ def test_worker_pods_follow_replica_bounds_and_tensor_parallelism(case: str, exp
 
 def test_gpu_share_packs_several_engines_per_worker_pod() -> None:
     """gpus_per_worker 0.5 on 2-GPU pods: 4 engines per pod, so 1..8 engines need 1..2 pods."""
-    values = {"kvtide": {"resources": {"gpus_per_worker": 0.5}, "engine": {"kv_cache_memory_bytes": 1 << 33},
+    values = {**KEYS, "kvtide": {"resources": {"gpus_per_worker": 0.5}, "engine": {"kv_cache_memory_bytes": 1 << 33},
                          "replicas": {"min_replicas": 1, "max_replicas": 8}},
               "workerGroups": [{"name": "gpu", "gpusPerPod": 2}]}
     assert _worker_groups(values) == [("gpu", 2, 1, 2)]
@@ -337,18 +363,18 @@ def _worker_gpus(group: dict[str, Any]) -> int:
 
 def test_gpus_per_pod_defaults_to_tensor_parallel_size() -> None:
     """Without gpusPerPod, a worker pod gets exactly one engine's GPUs (TP)."""
-    assert _worker_groups({"kvtide": {"engine": {"tensor_parallel_size": 4}}}) == [("gpu", 4, 1, 4)]
+    assert _worker_groups({**KEYS, "kvtide": {"engine": {"tensor_parallel_size": 4}}}) == [("gpu", 4, 1, 4)]
 
 
 def test_explicit_worker_bounds_override_the_derived_ones() -> None:
     """A worker group's minReplicas/maxReplicas, when given, win over the derivation."""
-    values = {"workerGroups": [{"name": "gpu", "minReplicas": 0, "maxReplicas": 10}]}
+    values = {**KEYS, "workerGroups": [{"name": "gpu", "minReplicas": 0, "maxReplicas": 10}]}
     assert _worker_groups(values) == [("gpu", 1, 0, 10)]
 
 
 def test_autoscaling_follows_the_replicas_mode() -> None:
     """Ray's in-tree autoscaler is on for min/max replicas and off for a fixed count."""
-    auto = rayservice({})["spec"]["rayClusterConfig"]
+    auto = rayservice(KEYS)["spec"]["rayClusterConfig"]
     fixed = rayservice(CASES["fixed_replicas"])["spec"]["rayClusterConfig"]
     assert auto["enableInTreeAutoscaling"] is True and auto["autoscalerOptions"]["idleTimeoutSeconds"] == 60
     assert fixed["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in fixed
@@ -357,7 +383,7 @@ def test_autoscaling_follows_the_replicas_mode() -> None:
 
 def test_head_has_no_gpus_and_exports_metrics() -> None:
     """The head runs Serve control plane only: num-gpus 0, num-cpus 0, dashboard on 0.0.0.0, metrics on 8080."""
-    cluster = rayservice({})["spec"]["rayClusterConfig"]
+    cluster = rayservice(KEYS)["spec"]["rayClusterConfig"]
     assert cluster["rayVersion"] == "2.60.0"
     head = cluster["headGroupSpec"]
     assert head["rayStartParams"] == {"num-gpus": "0", "num-cpus": "0", "dashboard-host": "0.0.0.0", "metrics-export-port": "8080"}
@@ -369,19 +395,19 @@ def test_head_has_no_gpus_and_exports_metrics() -> None:
 
 def test_head_runs_replicas_only_when_asked() -> None:
     """head.runsReplicas drops num-cpus 0 (Ray counts the head's CPUs, or the user's num-cpus); never GPUs."""
-    params = rayservice({"head": {"runsReplicas": True}})["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    params = rayservice({**KEYS, "head": {"runsReplicas": True}})["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
     assert "num-cpus" not in params and params["num-gpus"] == "0"
-    mine = {"head": {"runsReplicas": True, "rayStartParams": {"num-cpus": "2", "num-gpus": "1"}}}
+    mine = {**KEYS, "head": {"runsReplicas": True, "rayStartParams": {"num-cpus": "2", "num-gpus": "1"}}}
     params = rayservice(mine)["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
     assert (params["num-cpus"], params["num-gpus"]) == ("2", "0")
     # Off (the default), the chart's num-cpus 0 wins over the user's.
-    off = {"head": {"rayStartParams": {"num-cpus": "4"}}}
+    off = {**KEYS, "head": {"rayStartParams": {"num-cpus": "4"}}}
     assert rayservice(off)["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
 
 
 def test_ports_follow_the_kvtide_http_and_metrics_ports() -> None:
     """Moving kvtide.http.port/metrics.port moves Serve's port, the container ports and the Ray flags together."""
-    values = {"kvtide": {"http": {"port": 9000}, "metrics": {"port": 9090}}}
+    values = {**KEYS, "kvtide": {"http": {"port": 9000}, "metrics": {"port": 9090}}}
     objects = render(values)
     for obj in objects:
         validate_object(obj)
@@ -427,8 +453,8 @@ def test_compile_caches_live_on_the_model_cache_volume_unless_turned_off() -> No
 
 def test_upgrade_strategy_is_configurable() -> None:
     """spec.upgradeStrategy.type defaults to NewCluster and takes the value given."""
-    assert rayservice({})["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
-    assert rayservice({"upgradeStrategy": {"type": "None"}})["spec"]["upgradeStrategy"] == {"type": "None"}
+    assert rayservice(KEYS)["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
+    assert rayservice({**KEYS, "upgradeStrategy": {"type": "None"}})["spec"]["upgradeStrategy"] == {"type": "None"}
 
 
 # --- tests: the objects around it --------------------------------------------------------
@@ -490,8 +516,8 @@ def test_head_only_proxy_location_targets_the_head_alone() -> None:
 
 def test_gcs_fault_tolerance_is_rendered_only_when_enabled() -> None:
     """gcsFaultToleranceOptions appear only with gcsFaultTolerance.enabled, with Redis address and password Secret."""
-    assert "gcsFaultToleranceOptions" not in rayservice({})["spec"]["rayClusterConfig"]
-    off = {"gcsFaultTolerance": {"enabled": False, "redisAddress": "redis:6379"}}
+    assert "gcsFaultToleranceOptions" not in rayservice(KEYS)["spec"]["rayClusterConfig"]
+    off = {**KEYS, "gcsFaultTolerance": {"enabled": False, "redisAddress": "redis:6379"}}
     assert "gcsFaultToleranceOptions" not in rayservice(off)["spec"]["rayClusterConfig"]
     cluster = rayservice(CASES["high_availability"])["spec"]["rayClusterConfig"]
     assert cluster["gcsFaultToleranceOptions"] == {
@@ -500,7 +526,7 @@ def test_gcs_fault_tolerance_is_rendered_only_when_enabled() -> None:
         "externalStorageNamespace": "kvtide-llm",
     }
     # No password Secret and no namespace: KubeRay's defaults (no password, the RayCluster's UID).
-    bare = {"gcsFaultTolerance": {"enabled": True, "redisAddress": "redis:6379"}}
+    bare = {**KEYS, "gcsFaultTolerance": {"enabled": True, "redisAddress": "redis:6379"}}
     assert rayservice(bare)["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"] == {"redisAddress": "redis:6379"}
     # The head still runs no replica: a head restart leaves the workers' engines serving.
     assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
@@ -514,7 +540,7 @@ def _budgets(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def test_disruption_budgets_keep_proxies_serving() -> None:
     """Workers get a maxUnavailable budget; the head a zero one unless GCS FT makes its restart survivable."""
     release = {"app.kubernetes.io/name": "kvtide", "app.kubernetes.io/instance": RELEASE}
-    budgets = _budgets({})
+    budgets = _budgets(KEYS)
     assert budgets == {
         f"{FULLNAME}-workers": {
             "maxUnavailable": 1,
@@ -540,22 +566,22 @@ def test_disruption_budgets_keep_proxies_serving() -> None:
     assert {spec["unhealthyPodEvictionPolicy"] for spec in ha.values()} == {"IfHealthyBudget"}
     assert ha[f"{FULLNAME}-head"]["maxUnavailable"] == 0
     # With GCS FT and no explicit choice the head has no budget, and explicit false drops it too.
-    ft = {"gcsFaultTolerance": {"enabled": True, "redisAddress": "redis:6379"}}
+    ft = {**KEYS, "gcsFaultTolerance": {"enabled": True, "redisAddress": "redis:6379"}}
     assert set(_budgets(ft)) == {f"{FULLNAME}-workers"}
-    assert set(_budgets({"podDisruptionBudget": {"head": {"enabled": False}}})) == {f"{FULLNAME}-workers"}
+    assert set(_budgets({**KEYS, "podDisruptionBudget": {"head": {"enabled": False}}})) == {f"{FULLNAME}-workers"}
     assert not _budgets(CASES["monitoring_off"])
 
 
 def test_monitoring_objects_follow_their_switches() -> None:
     """PodMonitor, PrometheusRule and dashboard ConfigMaps exist by default and vanish when off."""
-    on, off = render({}), render(CASES["monitoring_off"])
+    on, off = render(KEYS), render(CASES["monitoring_off"])
     for kind in ("PodMonitor", "PrometheusRule", "ConfigMap"):
         assert by_kind(on, kind) and not by_kind(off, kind), kind
 
 
 def test_pod_monitor_scrapes_the_ray_metrics_port_of_all_pods() -> None:
     """The PodMonitor selects head and workers (shared labels) on the named metrics port."""
-    (monitor,) = by_kind(render({}), "PodMonitor")
+    (monitor,) = by_kind(render(KEYS), "PodMonitor")
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "kvtide", "app.kubernetes.io/instance": RELEASE}
     assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
@@ -563,7 +589,7 @@ def test_pod_monitor_scrapes_the_ray_metrics_port_of_all_pods() -> None:
 
 def test_alert_rules_select_this_release_and_keep_prometheus_templates() -> None:
     """files/alerts.yaml's KVTIDE_SELECTOR becomes this release's job; {{ $labels }} survives Helm."""
-    (rule,) = by_kind(render({}), "PrometheusRule")
+    (rule,) = by_kind(render(KEYS), "PrometheusRule")
     alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
     assert {"KvtideNoReadyReplicas", "KvtideHighServerErrorRate"} <= alerts.keys()
     job = f'job="{NAMESPACE}/{FULLNAME}"'
@@ -576,7 +602,7 @@ def test_alert_rules_select_this_release_and_keep_prometheus_templates() -> None
 def test_one_dashboard_configmap_per_json_file() -> None:
     """Each dashboards/*.json becomes a sidecar-labelled ConfigMap holding that file's valid JSON."""
     files = sorted((CHART_DIR / "dashboards").glob("*.json"))
-    maps = by_kind(render({}), "ConfigMap")
+    maps = by_kind(render(KEYS), "ConfigMap")
     assert files and len(maps) == len(files)
     for path, cm in zip(files, sorted(maps, key=lambda m: m["metadata"]["name"])):
         assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
@@ -592,17 +618,26 @@ def test_ingress_and_httproute_point_at_the_service() -> None:
     assert path["backend"]["service"] == {"name": FULLNAME, "port": {"name": "http"}}
     (route,) = by_kind(objects, "HTTPRoute")
     check_httproute(route)
-    assert not by_kind(render({}), "Ingress") and not by_kind(render({}), "HTTPRoute")
+    assert not by_kind(render(KEYS), "Ingress") and not by_kind(render(KEYS), "HTTPRoute")
 
 
 def test_network_policy_opens_only_named_ports_to_outsiders() -> None:
-    """The NetworkPolicy lets Ray pods talk freely and outsiders reach serve, metrics and dashboard ports."""
-    (policy,) = by_kind(render(CASES["ingress_on"]), "NetworkPolicy")
-    rules = policy["spec"]["ingress"]
-    assert rules[0] == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvtide", "app.kubernetes.io/instance": RELEASE}}}]}
-    ports = [[p["port"] for p in rule["ports"]] for rule in rules[1:]]
-    assert ports == [[8000], [8080], [8265, 52365]]
-    assert rules[2]["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+    """Ray pods talk freely; outsiders reach serve, metrics and dashboard ports only from the peers given."""
+    policies = {p["metadata"]["name"]: p["spec"] for p in by_kind(render(CASES["ingress_on"]), "NetworkPolicy")}
+    assert set(policies) == {FULLNAME, f"{FULLNAME}-head-apiserver"}
+    release = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvtide", "app.kubernetes.io/instance": RELEASE}}}
+    operator = _chart().values["networkPolicy"]["kuberayOperatorPeers"]
+    rules = policies[FULLNAME]["ingress"]
+    assert rules[0] == {"from": [release]}
+    values = CASES["ingress_on"]["networkPolicy"]
+    assert [([p["port"] for p in rule["ports"]], rule["from"]) for rule in rules[1:]] == [
+        ([8000], values["servePeers"] + operator),  # the operator checks the head's proxy
+        ([8080], values["metricsPeers"]),
+        ([8265], operator + values["dashboardPeers"]),
+    ]
+    egress = policies[FULLNAME]["egress"]
+    assert egress[0] == {"to": [release]}
+    assert {"to": values["egressPeers"]} in egress and values["extraEgress"][0] in egress
 
 
 def test_notes_show_port_forward_and_first_request() -> None:
@@ -663,7 +698,7 @@ def test_notes_show_port_forward_and_first_request() -> None:
 def test_bad_values_are_rejected_naming_the_field(values: dict, error: type, message: str) -> None:
     """A bad value fails at template time with the field's path in the message."""
     with pytest.raises(error, match=message):
-        render(values)
+        render({**KEYS, **values})
 
 
 def test_chart_defaults_are_a_valid_gpu_config() -> None:

@@ -21,7 +21,9 @@ from ray.serve.request_router import PendingRequest
 from fakes import FakeTokenizer, settle_digest_slices
 
 from kvtide.config import parse_config
+from kvtide.deployments.frontend.auth import ApiKeys
 from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
+from kvtide.deployments.internal_auth import CONSULT_HEADER, ROUTE_SIGNATURE_HEADER, consult_token
 from kvtide.deployments.messages import RoutingKey
 from kvtide.deployments.frontend.prompt_pool import PromptPool
 from kvtide.deployments.frontend.prompts import ROUTED_TOKENS_HEADER, PromptBuilder
@@ -37,6 +39,7 @@ from kvtide.deployments.routing.trust import (
     write_prediction,
 )
 
+SECRET = b"k" * 32
 CONFIG = parse_config({"model": "/m", "served_model_name": "m", "engine": {"max_model_len": 64}})
 BS = CONFIG.engine.block_size
 DEPLOYMENT = DeploymentID(name="Engine", app_name="app")
@@ -64,11 +67,16 @@ class RouterHandle:
         yield SimpleNamespace(_replica=ranks[0][0])
 
 
-def _stand_in_peer(prompts, router, replicas, *, pool=None, buffer_bytes=CONFIG.http.router_buffer_bytes):
-    """What RouterPeer.route reads of `self`, its engine handle running `router` over `replicas`."""
-    return SimpleNamespace(prompts=prompts, prompt_pool=pool, block_size=BS, buffer_bytes=buffer_bytes,
-                           routing=PromptRouting(CONFIG, prompts.tokenizer, HotPrefixTracker(BS)),
-                           engine=RouterHandle(router, replicas))
+def _stand_in_peer(prompts, router, replicas, *, pool=None, buffer_bytes=CONFIG.http.router_buffer_bytes,
+                   keys=(), tokenize_timeout_s=CONFIG.http.router_tokenize_timeout_s):
+    """A RouterPeer without Serve (its constructor loads a tokenizer from disk and the cluster secret), its
+    engine handle running `router` over `replicas`."""
+    peer = RouterPeer.__new__(RouterPeer)
+    peer.__dict__.update(prompts=prompts, prompt_pool=pool, block_size=BS, buffer_bytes=buffer_bytes,
+                         routing=PromptRouting(CONFIG, prompts.tokenizer, HotPrefixTracker(BS)),
+                         engine=RouterHandle(router, replicas), secret=SECRET, api_keys=ApiKeys(keys),
+                         isolate_caches=True, tokenize_timeout_s=tokenize_timeout_s)
+    return peer
 
 
 def _one_replica_router() -> tuple[PrefixAwareRouter, list[FakeReplica]]:
@@ -102,7 +110,8 @@ def test_the_peer_answers_with_the_routers_prediction_for_its_pick(threads):
     answer = asyncio.run(scenario())
     assert answer["replica_id"].endswith("#b")
     headers = answer["request_headers"]
-    assert set(headers) == {ROUTED_TOKENS_HEADER, ROUTED_HASHES_HEADER, PREDICTED_CACHED_TOKENS_HEADER}
+    assert set(headers) == {ROUTED_TOKENS_HEADER, ROUTED_HASHES_HEADER, PREDICTED_CACHED_TOKENS_HEADER,
+                            ROUTE_SIGNATURE_HEADER}
     assert decode_block_hashes(headers[ROUTED_HASHES_HEADER], len(token_ids), BS) == tuple(hashes)
     # "a" holds none of the prompt: all of b's cached tokens are b's alone.
     assert decode_prediction_header(headers[PREDICTED_CACHED_TOKENS_HEADER]) == Prediction("b", 2 * BS, 2 * BS)
@@ -164,25 +173,26 @@ def test_the_peer_app_answers_a_post_of_the_route_with_the_routes_json_and_its_l
     """POST /internal/route: the body (in chunks) and the session header reach route(); 200 JSON with content-length."""
     seen = []
 
-    async def route(body: bytes, session: str | None) -> dict:
-        seen.append((body, session))
+    async def route(body: bytes, session: str | None, authorization: str | None) -> dict:
+        seen.append((body, session, authorization))
         return {"replica_id": "SERVE_REPLICA::app#Engine#a", "request_headers": {"x-k": "v"}}
 
     scope = {"type": "http", "method": "POST", "path": "/internal/route",
-             "headers": [(b"content-type", b"application/json"), (b"x-session-id", b"user-7")]}
-    start, body = _call_app(route_app(route), scope, [
+             "headers": [(b"content-type", b"application/json"), (b"x-session-id", b"user-7"),
+                         (b"authorization", b"Bearer k1"), (CONSULT_HEADER.encode(), consult_token(SECRET).encode())]}
+    start, body = _call_app(route_app(route, SECRET, 1024), scope, [
         {"type": "http.request", "body": b'{"a":', "more_body": True}, {"type": "http.request", "body": b"1}"}])
-    assert seen == [(b'{"a":1}', "user-7")]
+    assert seen == [(b'{"a":1}', "user-7", "Bearer k1")]
     assert start["status"] == 200 and (b"content-length", str(len(body["body"])).encode()) in start["headers"]
     assert json.loads(body["body"]) == {"replica_id": "SERVE_REPLICA::app#Engine#a", "request_headers": {"x-k": "v"}}
 
 
 def test_the_peer_app_refuses_other_paths_and_completes_its_lifespan():
     """A GET or another path is a 404 JSON without calling route(); Serve's lifespan startup/shutdown complete."""
-    async def route(body: bytes, session: str | None) -> dict:
+    async def route(body: bytes, session: str | None, authorization: str | None) -> dict:
         raise AssertionError("route() must not run")
 
-    app = route_app(route)
+    app = route_app(route, SECRET, 1024)
     start, body = _call_app(app, {"type": "http", "method": "GET", "path": "/internal/route", "headers": []}, [])
     assert start["status"] == 404 and "POST /internal/route" in json.loads(body["body"])["error"]
     sent = _call_app(app, {"type": "lifespan"}, [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])

@@ -179,6 +179,139 @@ Cross-field checks the schema cannot express. Included once, from rayservice.yam
 {{- $_ := include "kvtide.workerGroupSize" (dict "root" $ "group" $g "index" $i) }}
 {{- end }}
 {{- include "kvtide.validateGcsFaultTolerance" . }}
+{{- include "kvtide.validateAuth" . }}
+{{- end }}
+
+{{/*
+kvtide.frontend.auth as the app will read it: kvtide.frontend.auth with the old name's
+kvtide.ingress.auth over it (as in kvtide.serveConfig). YAML.
+*/}}
+{{- define "kvtide.frontendAuth" -}}
+{{- $auth := deepCopy (dig "frontend" "auth" dict .Values.kvtide) }}
+{{- toYaml (mergeOverwrite $auth (deepCopy (dig "ingress" "auth" dict .Values.kvtide))) }}
+{{- end }}
+
+{{/*
+API keys are on by default: a release whose key Secret was forgotten must not serve an open
+API, so rendering fails unless the Secret is given or require_keys is turned off explicitly.
+*/}}
+{{- define "kvtide.validateAuth" -}}
+{{- $auth := include "kvtide.frontendAuth" . | fromYaml }}
+{{- if and $auth.require_keys (not .Values.apiKeys.existingSecret) }}
+{{- fail "API keys are required (kvtide.frontend.auth.require_keys=true) but apiKeys.existingSecret is empty. Create a Secret holding the key file (one `<key>` or `<tenant> <key>` per line), e.g. `kubectl create secret generic kvtide-api-keys --from-file=api-keys=./api-keys`, and set apiKeys.existingSecret=kvtide-api-keys; or, to serve WITHOUT keys (anyone who reaches the port is served), set kvtide.frontend.auth.require_keys=false explicitly" }}
+{{- end }}
+{{- if .Values.apiKeys.existingSecret }}
+{{- if not .Values.apiKeys.secretKey }}
+{{- fail "apiKeys.secretKey is empty: name the key of apiKeys.existingSecret that holds the key file (default api-keys)" }}
+{{- end }}
+{{- $file := include "kvtide.apiKeysFile" . }}
+{{- with $auth.api_keys_file }}
+{{- if ne . $file }}
+{{- fail (printf "kvtide.frontend.auth.api_keys_file=%s is set together with apiKeys.existingSecret, which the chart mounts at %s; remove api_keys_file (the chart sets it) or apiKeys.existingSecret" . $file) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Where the Secrets are mounted on every Ray pod. kvtide reads the files; the values never
+become env vars, which every process of the pod (and a crash dump) would see.
+*/}}
+{{- define "kvtide.apiKeysDir" -}}/etc/kvtide/api-keys{{- end }}
+{{- define "kvtide.apiKeysFile" -}}
+{{- printf "%s/%s" (include "kvtide.apiKeysDir" .) .Values.apiKeys.secretKey }}
+{{- end }}
+{{- define "kvtide.internalSecretDir" -}}/etc/kvtide/internal{{- end }}
+
+{{- define "kvtide.internalSecretName" -}}
+{{- .Values.internalSecret.existingSecret | default (printf "%s-internal" (include "kvtide.fullname" .)) }}
+{{- end }}
+
+{{- define "kvtide.rayAuthSecretName" -}}
+{{- .Values.rayAuth.existingSecret | default (printf "%s-ray-auth" (include "kvtide.fullname" .)) }}
+{{- end }}
+
+{{/*
+A random value for a chart-generated Secret, kept across upgrades: the one already in the
+cluster when there is one (Helm `lookup`; empty under `helm template`), else a fresh one.
+Call with (dict "root" $ "name" <Secret name> "key" <data key>). Base64, as Secret data.
+*/}}
+{{- define "kvtide.persistentRandom" -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name }}
+{{- $value := "" }}
+{{- if $existing }}{{ $value = index ($existing.data | default dict) .key | default "" }}{{ end }}
+{{- $value | default (randAlphaNum 64 | b64enc) }}
+{{- end }}
+
+{{/*
+ServiceAccounts (templates/serviceaccount.yaml). The head has its own only while Ray's
+autoscaler runs: KubeRay binds its autoscaler Role to the head pod's account.
+*/}}
+{{- define "kvtide.serviceAccountName" -}}
+{{- include "kvtide.fullname" . }}
+{{- end }}
+{{- define "kvtide.headServiceAccountName" -}}
+{{- printf "%s-head" (include "kvtide.fullname" .) }}
+{{- end }}
+
+{{/*
+The head ServiceAccount's API token for the Ray autoscaler sidecar: what the kubelet's automount
+would project (a short-lived, auto-rotated token, the cluster CA, the namespace), as a volume
+that only the sidecar mounts, at the path the autoscaler reads
+(/var/run/secrets/kubernetes.io/serviceaccount). Mode 0440, group fsGroup.
+*/}}
+{{- define "kvtide.apiTokenVolume" -}}
+- name: kube-api-access
+  projected:
+    defaultMode: 288
+    sources:
+      - serviceAccountToken:
+          path: token
+          expirationSeconds: 3607
+      - configMap:
+          name: kube-root-ca.crt
+          items:
+            - {key: ca.crt, path: ca.crt}
+      - downwardAPI:
+          items:
+            - path: namespace
+              fieldRef: {apiVersion: v1, fieldPath: metadata.namespace}
+{{- end }}
+
+{{/*
+Drain bounds, in whole seconds, from the frontend's deadline (kvtide.frontend.admission.
+request_timeout_s, or the old kvtide.ingress name; null or unset: the model's 600):
+  preStop `kvtide drain-node --timeout-s` = deadline + 10: every admitted request can finish
+  terminationGracePeriodSeconds          = deadline + 30: the drain, then `ray stop`
+*/}}
+{{- define "kvtide.requestTimeoutSeconds" -}}
+{{- $t := dig "ingress" "admission" "request_timeout_s" (dig "frontend" "admission" "request_timeout_s" 600 .Values.kvtide) .Values.kvtide }}
+{{- int (ceil (float64 $t)) }}
+{{- end }}
+{{- define "kvtide.drainTimeoutSeconds" -}}
+{{- add (int (include "kvtide.requestTimeoutSeconds" .)) 10 }}
+{{- end }}
+{{- define "kvtide.terminationGracePeriodSeconds" -}}
+{{- add (int (include "kvtide.requestTimeoutSeconds" .)) 30 }}
+{{- end }}
+
+{{/*
+Pod-level fields every Ray pod shares: its ServiceAccount, the restricted-profile
+securityContext and the grace period the drain needs. Call with (dict "root" $ "head" bool).
+No pod automounts an API token: the autoscaling head's token is projected into its autoscaler
+sidecar alone (kvtide.apiTokenVolume), so Ray and kvtide processes never hold one.
+*/}}
+{{- define "kvtide.podSpecSecurity" -}}
+{{- $root := .root }}
+{{- $engines := include "kvtide.engineReplicas" $root | fromYaml }}
+{{- $apiAccess := and .head $engines.autoscaling -}}
+serviceAccountName: {{ ternary (include "kvtide.headServiceAccountName" $root) (include "kvtide.serviceAccountName" $root) $apiAccess }}
+automountServiceAccountToken: false
+terminationGracePeriodSeconds: {{ include "kvtide.terminationGracePeriodSeconds" $root }}
+{{- with $root.Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -209,11 +342,21 @@ The Ray Serve config: one application whose args are the kvtide config, the same
 `kvtide serve-config` prints (cluster/serve_config.py); a unit test pins the equality.
 */}}
 {{- define "kvtide.serveConfig" -}}
-{{- $args := .Values.kvtide }}
+{{- $args := deepCopy .Values.kvtide }}
 {{- if hasKey $args "ingress" }}
 {{- /* kvtide.ingress is the old name of kvtide.frontend: the user's old keys win over the defaults. */}}
-{{- $args = omit (deepCopy .Values.kvtide) "ingress" }}
+{{- $args = omit $args "ingress" }}
 {{- $_ := set $args "frontend" (mergeOverwrite (deepCopy (.Values.kvtide.frontend | default dict)) (deepCopy .Values.kvtide.ingress)) }}
+{{- end }}
+{{- if .Values.apiKeys.existingSecret }}
+{{- /* Keys come from the mounted Secret file only: api_keys_env null turns off the model's
+default env var, so no other source can add a key. */}}
+{{- $frontend := get $args "frontend" | default dict }}
+{{- $auth := get $frontend "auth" | default dict }}
+{{- $_ := set $auth "api_keys_file" (include "kvtide.apiKeysFile" .) }}
+{{- $_ := set $auth "api_keys_env" nil }}
+{{- $_ := set $frontend "auth" $auth }}
+{{- $_ := set $args "frontend" $frontend }}
 {{- end }}
 {{- $app := dict "name" "kvtide" "route_prefix" "/" "import_path" "kvtide.cluster.app:build_app" "args" $args }}
 {{- $http := dict "host" "0.0.0.0" "port" (int (include "kvtide.httpPort" .)) }}
@@ -257,7 +400,18 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
 - name: RAY_SERVE_HAPROXY_RETRIES
   value: {{ add 3 (dig "ingress" "admission" "max_retries" (dig "frontend" "admission" "max_retries" 2 .Values.kvtide) .Values.kvtide | int64) | toString | quote }}
 - name: RAY_SERVE_HAPROXY_RETRY_ON
-  value: "conn-failure empty-response junk-response 500 503"
+  value: "conn-failure empty-response junk-response 503"
+{{- /* At least the longest a request may last (its deadline; null: the 600 s drain a stopping replica
+gets) plus HAProxy's own time before it (60 s): an old HAProxy after a reload keeps its streams that long. */}}
+{{- $timeout := dig "ingress" "admission" "request_timeout_s" (dig "frontend" "admission" "request_timeout_s" 600 .Values.kvtide) .Values.kvtide | default 600 }}
+- name: RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S
+  value: {{ add (ceil $timeout | int64) 60 | toString | quote }}
+- name: KVTIDE_HAPROXY_HEADER_TIMEOUT_S
+  value: {{ dig "http" "header_timeout_s" 10 .Values.kvtide | int64 | toString | quote }}
+{{- /* kvtide's HAProxy (cluster/haproxy_shim.py): Ray's config with kvtide's rules added, then Ray's
+binary. Not in ray_process_env: the path is the image's (the Dockerfile checks it is there). */}}
+- name: RAY_SERVE_HAPROXY_BINARY_PATH
+  value: {{ include "kvtide.haproxyShimPath" . | quote }}
 {{- end }}
 - name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
   value: "2"
@@ -270,27 +424,39 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
       name: {{ .Values.hfToken.secretName }}
       key: {{ .Values.hfToken.secretKey }}
 {{- end }}
-{{- if .Values.apiKeys.existingSecret }}
-{{- $envName := dig "ingress" "auth" "api_keys_env" (dig "frontend" "auth" "api_keys_env" "" .Values.kvtide) .Values.kvtide }}
-{{- if not $envName }}
-{{- fail "apiKeys.existingSecret is set but kvtide.frontend.auth.api_keys_env is empty; set it (default KVTIDE_API_KEYS) so the frontend reads the keys" }}
-{{- end }}
-- name: {{ $envName }}
-  valueFrom:
-    secretKeyRef:
-      name: {{ .Values.apiKeys.existingSecret }}
-      key: {{ .Values.apiKeys.secretKey }}
-{{- end }}
+{{- /* The cluster's internal secret (deployments/internal_auth.py), as a file: the routing
+peer refuses to start without it, and replicas trust only routing headers signed with it. */}}
+- name: KVTIDE_INTERNAL_SECRET_FILE
+  value: {{ printf "%s/secret" (include "kvtide.internalSecretDir" .) | quote }}
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
 
+{{/*
+Mounts of every Ray container. With a read-only root filesystem these are the only places
+Ray, HAProxy and vLLM can write; values.yaml (securityContext) lists what goes where.
+*/}}
 {{- define "kvtide.rayVolumeMounts" -}}
 - name: dshm
   mountPath: /dev/shm
 - name: model-cache
   mountPath: {{ .Values.modelCache.mountPath }}
+- name: tmp
+  mountPath: /tmp
+{{- range $dir := list "cache" "config" "triton" "nv" }}
+- name: home
+  mountPath: {{ printf "%s/.%s" ($.Values.homeDir | trimSuffix "/") $dir }}
+  subPath: {{ $dir }}
+{{- end }}
+{{- if .Values.apiKeys.existingSecret }}
+- name: api-keys
+  mountPath: {{ include "kvtide.apiKeysDir" . }}
+  readOnly: true
+{{- end }}
+- name: internal-secret
+  mountPath: {{ include "kvtide.internalSecretDir" . }}
+  readOnly: true
 {{- end }}
 
 {{- define "kvtide.rayVolumes" -}}
@@ -298,6 +464,26 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
   emptyDir:
     medium: Memory
     sizeLimit: {{ .Values.shm.sizeLimit }}
+- name: tmp
+  emptyDir: {}
+- name: home
+  emptyDir: {}
+{{- /* The Secrets: only the named key, owner root, group fsGroup, mode 0440 (288); a missing
+key keeps the pod from starting instead of starting it without keys. */}}
+{{- if .Values.apiKeys.existingSecret }}
+- name: api-keys
+  secret:
+    secretName: {{ .Values.apiKeys.existingSecret }}
+    defaultMode: 288
+    items:
+      - {key: {{ .Values.apiKeys.secretKey | quote }}, path: {{ .Values.apiKeys.secretKey | quote }}}
+{{- end }}
+- name: internal-secret
+  secret:
+    secretName: {{ include "kvtide.internalSecretName" . }}
+    defaultMode: 288
+    items:
+      - {key: secret, path: secret}
 - name: model-cache
 {{- if eq .Values.modelCache.type "pvc" }}
 {{- if not .Values.modelCache.pvc.claimName }}
@@ -318,9 +504,22 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
 {{- end }}
 {{- end }}
 
-{{/* preStop: leave the Ray cluster cleanly so the GCS does not wait on a dead node. */}}
+{{/*
+preStop: `kvtide drain-node` asks Ray to drain this node (Serve moves its replicas off, the
+proxy stops taking connections) and waits for the requests in flight, at most the frontend's
+deadline + 10 s; then `ray stop` leaves the cluster cleanly so the GCS does not wait on a dead
+node. `;`, not `&&`: a failed drain must still stop Ray. terminationGracePeriodSeconds
+(kvtide.podSpecSecurity) leaves room for both.
+*/}}
 {{- define "kvtide.rayLifecycle" -}}
 preStop:
   exec:
-    command: ["/bin/sh", "-c", "ray stop"]
+    command: ["/bin/sh", "-c", "kvtide drain-node --timeout-s {{ include "kvtide.drainTimeoutSeconds" . }} ; ray stop"]
+{{- end }}
+
+{{/*
+Where the image installs kvtide's HAProxy command (the Ray image's Python environment; the Dockerfile checks it).
+*/}}
+{{- define "kvtide.haproxyShimPath" -}}
+/home/ray/anaconda3/bin/kvtide-haproxy
 {{- end }}
