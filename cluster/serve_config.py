@@ -10,11 +10,14 @@ cluster. The chart renders the same structure in helm/kvtide/templates/_helpers.
 from __future__ import annotations
 
 import shlex
+import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kvtide.config import KvtideConfig, config_to_dict
+from kvtide.deployments.internal_auth import SECRET_FILE_ENV
 
 APP_NAME = "kvtide"
 APP_IMPORT_PATH = "kvtide.cluster.app:build_app"
@@ -55,5 +58,13 @@ def serve_config_yaml(config: KvtideConfig) -> str:
 
 
 def ray_env_exports(config: KvtideConfig) -> str:
-    """`export NAME=value` lines of the config's process-level Ray settings (`ray_process_env`)."""
-    return "".join(f"export {name}={shlex.quote(value)}\n" for name, value in config.ray_process_env().items())
+    """`export NAME=value` lines of the config's process-level Ray settings (`ray_process_env`); in direct mode also
+    kvtide's HAProxy command (the one installed beside this Python) and the cluster secret's file, which the
+    shell must name already (the same secret on every node; evaluating the lines fails, saying so, without it)."""
+    lines = [f"export {name}={shlex.quote(value)}\n" for name, value in config.ray_process_env().items()]
+    if config.http.mode == "direct":
+        shim = Path(sys.executable).with_name("kvtide-haproxy")
+        lines += [f"export RAY_SERVE_HAPROXY_BINARY_PATH={shlex.quote(str(shim))}\n",
+                  f'export {SECRET_FILE_ENV}="${{{SECRET_FILE_ENV}:?set it to a file holding the cluster secret, '
+                  'the same on every node: openssl rand -hex 32 > FILE}"\n']
+    return "".join(lines)

@@ -59,6 +59,11 @@ def salted(cache_salt: str | None, tag: str | None, isolate: bool) -> str | None
     return f"{tag}:{cache_salt}" if cache_salt else tag
 
 
+def is_tenant_salt(cache_salt: str) -> bool:
+    """Whether a salt is a tenant's tag alone (`salted` with no client salt): kvtide's own, safe to warm under."""
+    return re.fullmatch(TAG_PATTERN, cache_salt) is not None
+
+
 def scoped_body(data: Any, tag: str | None, isolate: bool) -> dict[str, Any] | None:
     """A body for vLLM's layer with its ids and salt made the tenant's; None when nothing changes."""
     if tag is None or not isinstance(data, dict):

@@ -31,7 +31,7 @@ from kvtide.deployments.engine.core_claims import CoreClaims, claim_threads_bind
 from kvtide.deployments.engine.placement import bound_cores, engine_kwargs
 from kvtide.autoscaling import roles_channel
 from kvtide.autoscaling.replica_stats import RecentTokens, replica_autoscaling_stats
-from kvtide.autoscaling.warm_start import fleet_view, plan_warmup
+from kvtide.autoscaling.warm_start import fleet_view, plan_prefills
 from kvtide.deployments.engine.kv_cache_tracker import KvCacheTracker
 from kvtide.deployments.engine.kv_events import KvEventListener, new_ipc_endpoint
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest, VllmLayerCall
@@ -250,21 +250,25 @@ class EngineReplica:
         hot = fleet_view(views)
         block_size = self.config.engine.block_size
         capacity_tokens = (self.engine.vllm_config.cache_config.num_gpu_blocks or 0) * block_size
-        plan = plan_warmup(hot, warm.token_budget, capacity_tokens, warm.max_prefixes,
-                           max_kv_fraction=warm.max_kv_fraction, block_size=block_size)
+        plan = plan_prefills(hot, warm.token_budget, capacity_tokens, warm.max_prefixes,
+                             max_kv_fraction=warm.max_kv_fraction, block_size=block_size)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         started_s = time.monotonic()
-        for i, tokens in enumerate(plan):
-            # One output token: the point is the prefill, which leaves the blocks cached.
-            async for _ in self.engine.generate(TokensPrompt(prompt_token_ids=tokens), SamplingParams(max_tokens=1),
+        for i, (tokens, salt) in enumerate(plan):
+            # One output token: the point is the prefill, which leaves the blocks cached (under a tenant's
+            # salt where the prefix is a tenant's, deployments/tenancy.py).
+            prompt = TokensPrompt(prompt_token_ids=tokens)
+            if salt is not None:
+                prompt["cache_salt"] = salt
+            async for _ in self.engine.generate(prompt, SamplingParams(max_tokens=1),
                                                 request_id=f"kvtide-warmup-{self.replica_id}-{i}"):
                 pass
             self.warmup_tokens.inc(len(tokens), {"model": self.config.model_name})
         if plan:
             logger.info("warm start: prefilled %d prefixes (%d tokens) in %.2f s", len(plan),
-                        sum(map(len, plan)), time.monotonic() - started_s)
+                        sum(len(tokens) for tokens, _ in plan), time.monotonic() - started_s)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         from vllm import SamplingParams
@@ -408,6 +412,11 @@ class EngineReplica:
         return replica_autoscaling_stats(load.kv_usage_perc, load.num_waiting, load.num_running,
                                          load.num_preemptions_total, self._recent_hits.within(now_s),
                                          self._recent_exclusive_hits.within(now_s))
+
+    def engine_dead(self) -> bool:
+        """Whether this replica's engine is dead: vLLM says so (its engine-core monitor), or the
+        process table does (the engine core exited, before vLLM's monitor has marked it). Never raises."""
+        return bool(self.engine.errored) or engine_cores_exited(self.engine_core_pids)
 
     async def check_health(self) -> None:
         # Raises EngineDeadError once the engine core died: Serve then restarts the replica.

@@ -41,6 +41,7 @@ _HEAP_ITEMS_PER_ENTRY = 4
 class _Entry:
     tokens: list[int]
     hashes: tuple[int, ...]  # the block hashes of `tokens`
+    cache_salt: str | None  # the salt they were hashed under (salted hashes keep each salt's entries apart)
     score: float
     updated_s: float
     stamp: int = 0  # names this entry's one live heap item
@@ -79,8 +80,9 @@ class HotPrefixTracker:
                 del self._entries[key]
                 return
 
-    def observe(self, token_ids: Sequence[int], block_hashes: Sequence[int], now_s: float) -> None:
-        """Count one request (its prompt tokens and their full-block hashes)."""
+    def observe(self, token_ids: Sequence[int], block_hashes: Sequence[int], now_s: float,
+                cache_salt: str | None = None) -> None:
+        """Count one request (its prompt tokens and their full-block hashes, under `cache_salt`)."""
         if not block_hashes:
             return
         key = block_hashes[0]
@@ -89,7 +91,7 @@ class HotPrefixTracker:
         if entry is None:
             if len(self._entries) >= self.max_entries:
                 self._drop_coldest()
-            entry = self._entries[key] = _Entry(list(token_ids[:full]), tuple(block_hashes), 1.0, now_s)
+            entry = self._entries[key] = _Entry(list(token_ids[:full]), tuple(block_hashes), cache_salt, 1.0, now_s)
             self._push(key, entry)
             return
         shared = entry.hashes
@@ -105,8 +107,10 @@ class HotPrefixTracker:
         entry.updated_s = now_s
         self._push(key, entry)
 
-    def hottest(self, now_s: float, limit: int = 32, min_hits: float = 2.0) -> list[tuple[list[int], float]]:
-        """Shared prefixes seen at least `min_hits` (decayed) times, hottest first."""
-        ranked = sorted(((e.tokens, self._decayed(e, now_s)) for e in self._entries.values() if e.tokens),
+    def hottest(self, now_s: float, limit: int = 32, min_hits: float = 2.0) -> list[tuple]:
+        """Shared prefixes seen at least `min_hits` (decayed) times, hottest first: (tokens, hits), or
+        (tokens, hits, cache salt) for a salted one (autoscaling.warm_start prefills it under its salt)."""
+        ranked = sorted(((e.tokens, self._decayed(e, now_s), e.cache_salt) for e in self._entries.values() if e.tokens),
                         key=lambda item: item[1], reverse=True)
-        return [(list(tokens), score) for tokens, score in ranked if score >= min_hits][:limit]
+        return [(list(tokens), score, salt) if salt is not None else (list(tokens), score)
+                for tokens, score, salt in ranked if score >= min_hits][:limit]

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 from kvtide.config import KvtideConfig
 from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
+from kvtide.deployments.tenancy import is_tenant_salt
 from kvtide.deployments.routing.block_hash import BlockHash, block_hashes, salt_root
 
 # In HAProxy's `x-serve-router-` namespace: stripped from client requests before the routing
@@ -97,9 +98,11 @@ class PromptRouting:
         return prompt_block_hashes(token_ids, self.block_size, cache_salt)
 
     def observe(self, token_ids: Sequence[int], hashes: Sequence[BlockHash], cache_salt: str | None) -> None:
-        """Count a routed prompt toward the hot prefixes (never a salted, tenant-private one)."""
-        if self.hot_prefixes is not None and hashes and cache_salt is None:
-            self.hot_prefixes.observe(token_ids, hashes, time.monotonic())
+        """Count a routed prompt toward the hot prefixes: an unsalted one, or one salted only by its tenant
+        (tenancy.py: a new replica prefills it under that salt, so only that tenant reuses it); never one the
+        client salted itself or an adapter's (warm-up runs without adapters)."""
+        if self.hot_prefixes is not None and hashes and (cache_salt is None or is_tenant_salt(cache_salt)):
+            self.hot_prefixes.observe(token_ids, hashes, time.monotonic(), cache_salt)
 
     def prompt_text(self, token_ids: Sequence[int]) -> str | None:
         """The prompt as text for a router that matches on text (ray_prefix); None for the others."""

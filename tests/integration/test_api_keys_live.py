@@ -188,8 +188,15 @@ def test_cached_prefixes_do_not_cross_tenants(auth_app):
         assert cached(b) > 0  # tenant-b's own second request hits its own blocks
 
 
+def _haproxy_dir() -> Path:
+    """This cluster's node's HAProxy files (Ray writes them per node id)."""
+    import ray
+
+    return Path("/tmp/haproxy-serve") / ray.get_runtime_context().get_node_id()
+
+
 def _haproxy_configs() -> list[str]:
-    return [Path(p).read_text() for p in glob.glob("/tmp/haproxy-serve/*/haproxy.cfg")]
+    return [(_haproxy_dir() / "haproxy.cfg").read_text()]
 
 
 def test_the_routers_headers_sent_straight_to_a_replica_port_are_ignored(auth_app):
@@ -217,7 +224,7 @@ def test_the_routers_headers_sent_straight_to_a_replica_port_are_ignored(auth_ap
 def test_the_routing_peer_answers_only_haproxy(auth_app):
     """POST /internal/route without HAProxy's consult token is a 403 (nothing parsed, picked or booked); the live
     HAProxy config carries kvtide's rules."""
-    lua = [Path(p) for p in glob.glob("/tmp/haproxy-serve/*/kvtide-*.lua")]
+    lua = list(_haproxy_dir().glob("kvtide-*.lua"))
     assert lua and all(oct(p.stat().st_mode & 0o777) == "0o600" for p in lua)
     routers = {m for p in lua for m in re.findall(r'host = "([0-9.]+)", port = ([0-9]+)', p.read_text())}
     assert routers

@@ -7,6 +7,7 @@ import asyncio
 import json
 import stat
 import threading
+import time
 
 import pytest
 
@@ -381,3 +382,22 @@ def test_a_tenants_bucket_refills_at_its_rate_and_tenants_have_their_own():
     assert [limiter.retry_after_s("a", 0.0) for _ in range(2)] == [None, None]
     assert limiter.retry_after_s("a", 0.0) == 2 and limiter.retry_after_s("b", 0.0) is None
     assert limiter.retry_after_s("a", 1.0) == 1 and limiter.retry_after_s("a", 2.0) is None
+
+
+def test_a_tenants_hot_prefix_is_warmed_under_its_salt_and_a_clients_own_salt_never():
+    """The hot-prefix list keeps a prefix salted only by its tenant (with that salt), never one the client salted;
+    the warm-up plan keeps each salt's prefixes apart (no block is shared across salts) and hands back the salt."""
+    from kvtide.autoscaling.warm_start import plan_prefills
+    from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
+    from kvtide.deployments.frontend.routing_key import PromptRouting
+
+    bs = CONFIG.engine.block_size
+    routing = PromptRouting(CONFIG, FakeTokenizer(), HotPrefixTracker(bs))
+    tokens = list(range(2, 2 + 2 * bs))
+    a = tenant_tag("team-a")
+    for salt in (a, a, f"{a}:client", f"{a}:client", None, None):
+        routing.observe(tokens, routing.hashes(tokens, salt), salt)
+    hot = routing.hot_prefixes.hottest(time.monotonic(), min_hits=0.0)
+    assert sorted((entry[2] if len(entry) > 2 else "") for entry in hot) == sorted([a, ""])
+    plan = plan_prefills(hot, token_budget=1000, kv_capacity_tokens=10_000, max_prefixes=8, block_size=bs)
+    assert sorted(plan, key=lambda p: str(p[1])) == sorted([(tokens, a), (tokens, None)], key=lambda p: str(p[1]))

@@ -81,6 +81,16 @@ def test_serve_config_env_exports_reproduce_ray_process_env_in_a_shell(mode):
     """`eval "$(kvtide serve-config --env)"` sets exactly ray_process_env's values (quoting included)."""
     config = load_config(default_config_path(), [f"http.mode={mode}"])
     script = ray_env_exports(config) + "env -0"
-    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True, env={}).stdout
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True,
+                         env={"KVTIDE_INTERNAL_SECRET_FILE": "/s"}).stdout
     env = dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
     assert {k: env[k] for k in config.ray_process_env()} == config.ray_process_env()
+    if mode == "direct":  # kvtide's HAProxy, and the cluster secret the shell named
+        assert env["RAY_SERVE_HAPROXY_BINARY_PATH"].endswith("/kvtide-haproxy") and env["KVTIDE_INTERNAL_SECRET_FILE"] == "/s"
+
+
+def test_serve_config_env_exports_refuse_a_direct_cluster_without_the_secret():
+    """Evaluated without KVTIDE_INTERNAL_SECRET_FILE, the direct-mode exports fail, saying how to make the secret."""
+    script = ray_env_exports(load_config(default_config_path(), [])) + "echo reached"
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env={})
+    assert done.returncode != 0 and "reached" not in done.stdout and "openssl rand" in done.stderr
