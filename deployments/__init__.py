@@ -6,6 +6,8 @@
       ingress.py       ingress mode: Ingress replicas in front of the engines (Ray handles)
       messages.py      what crosses frontend → engine (GenerateRequest, GenerateDelta, RoutingKey)
       names.py, logs.py, metric_sampling.py    deployment names, replica loggers, sampled histograms
+      internal_auth.py the cluster secret: HAProxy's consult token, the routing headers' signature
+      tenancy.py       tenants by API key: ids, stored responses and cache salts scoped to each
       frontend/        the OpenAI app and request pipeline: validation, prompts, SSE, auth,
                        admission, frontend metrics, the engine client, hot prefixes, routing_key
       engine/          the vLLM engine replica: load stats, KV events → cache digest, pending
