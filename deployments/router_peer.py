@@ -41,6 +41,7 @@ import asyncio
 import functools
 import json
 import os
+import time
 from typing import Any, Awaitable, Callable
 
 from ray import serve
@@ -63,11 +64,15 @@ logger = replica_logger("router_peer")
 # Tokenize calls a thread may have waiting or running before a new request is routed by load instead:
 # a burst still tokenizes side by side, a flood (or one slow render) never queues without bound.
 TOKENIZE_BACKLOG_PER_THREAD = 8
+LOG_EVERY_S = 10.0
 
 
 @serve.ingress()
 class RouterPeer:
     """Picks an engine replica for HAProxy; holds the node's hot-prefix view."""
+
+    num_routed_by_load = 0  # requests routed by load for want of tokenizing (saturated or too slow)
+    logged_s = -LOG_EVERY_S  # when that was last logged (monotonic)
 
     def __init__(self, engine: DeploymentHandle, config_dict: dict):
         config: KvtideConfig = parse_config(config_dict)
@@ -125,13 +130,22 @@ class RouterPeer:
         if self.prompt_pool is None:
             return tokenize(self.prompts)
         if self.prompt_pool.saturated(TOKENIZE_BACKLOG_PER_THREAD):
-            logger.warning("every tokenize thread has a backlog; a request is routed by load")
+            self._by_load("every tokenize thread has a backlog")
             return None, ()
         try:
             return await self.prompt_pool.run(tokenize, self.tokenize_timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
-            logger.warning("tokenizing a request took over %s s; it is routed by load", self.tokenize_timeout_s)
+            self._by_load(f"tokenizing took over {self.tokenize_timeout_s} s")
             return None, ()
+
+    def _by_load(self, why: str) -> None:
+        """Count a request routed by load for want of tokenizing; logged at most once per LOG_EVERY_S (a flood
+        must not turn into a flood of log lines)."""
+        self.num_routed_by_load += 1
+        now_s = time.monotonic()
+        if now_s - self.logged_s >= LOG_EVERY_S:
+            self.logged_s = now_s
+            logger.warning("%s: requests routed by load alone (%d so far)", why, self.num_routed_by_load)
 
     async def hot_prefixes(self, limit: int = 32) -> list[tuple[list[int], float]]:
         """Handle method (not HTTP): shared prefixes a new engine replica should prefill."""
