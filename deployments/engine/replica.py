@@ -32,6 +32,7 @@ from kvtide.deployments.engine.placement import bound_cores, engine_kwargs
 from kvtide.autoscaling import roles_channel
 from kvtide.autoscaling.replica_stats import RecentTokens, replica_autoscaling_stats
 from kvtide.autoscaling.warm_start import fleet_view, plan_prefills
+from kvtide.deployments.engine.engine_config import start_engine
 from kvtide.deployments.engine.kv_cache_tracker import KvCacheTracker
 from kvtide.deployments.engine.kv_events import KvEventListener, new_ipc_endpoint
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest, VllmLayerCall
@@ -90,8 +91,7 @@ class EngineReplica:
 
     async def __init__(self, config_dict: dict):
         constructor_s = time.time()
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+        import vllm.v1.engine.async_llm  # noqa: F401  (here, so start_phases times vLLM's import as its own phase)
         from kvtide.deployments.engine.stats import EngineLoad, kept_ray_stat_logger, load_logger_factory
 
         imported_s = time.time()
@@ -130,9 +130,9 @@ class EngineReplica:
             from vllm.config import StructuredOutputsConfig
 
             kwargs["structured_outputs_config"] = StructuredOutputsConfig(**kwargs["structured_outputs_config"])
-        self.engine = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(**kwargs),
-            stat_loggers=[kept_ray_stat_logger(self.prometheus_loggers), load_logger_factory(self.load)])
+        # Resolved as `vllm serve` resolves it (engine_config.py): the same flags give the same engine.
+        self.engine = start_engine(
+            kwargs, stat_loggers=[kept_ray_stat_logger(self.prometheus_loggers), load_logger_factory(self.load)])
         engine_s = time.time()
         # The model's generation_config sampling defaults (temperature, top_k, …), applied to the
         # fields a request leaves unset, as vLLM's OpenAI server applies them.
