@@ -98,14 +98,13 @@ once there; its validation keeps lower < target < upper; defaults a GPU operator
                                samples in a row must agree, so one noisy sample never
                                adds a replica, and a step still decides within ~5 s.
 - `trend_window_s` = 10        span of the ring the line is fitted to: five samples at a
-                               2 s push. Shorter followed steps a second sooner but let a
-                               3 s burst through at a 2 s push in the replays; longer
-                               lagged steps past 5 s.
+                               2 s push. Shorter follows a step sooner but lets a short
+                               burst pass for a trend; longer lags real steps (the replayed
+                               traces in tests/data/autoscaling_traces pin the choice).
 - `trend_horizon_s` = 4        how far ahead the line is extended: the hold (2 s) plus one
                                push (2 s), i.e. "will it be past upper by the time a
-                               second sample could confirm it". 5 s took a step up to 1 s
-                               sooner but added a replica on 6 of 40 seeded noisy-steady
-                               traces (KV up to 0.8) against 1 of 40 at 4 s.
+                               second sample could confirm it". Further ahead reacts to a
+                               step sooner but adds replicas on noisy steady load.
 - `scale_down_cooldown_s` = 60 no scale-down within this long of a scale-up. A replica
                                added on a trend or a burst stays at least a minute, so a
                                noisy fleet cannot add and remove within a minute.

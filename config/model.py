@@ -292,8 +292,7 @@ class HttpConfig(Strict):
                                     "HAProxy's Lua takes them in turn. Each peer answers one consult at a time on its "
                                     "event loop, so a burst of N requests waits up to N of them; more peers answer a burst side by side, but each "
                                     "books only its own picks, so requests of one new prefix split across peers may "
-                                    "prefill it on more than one replica until the engines' next cache report. "
-                                    "Not yet measured on a GPU.")
+                                    "prefill it on more than one replica until the engines' next cache report.")
 
 
 class MetricsConfig(Strict):

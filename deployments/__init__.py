@@ -10,8 +10,10 @@
       tenancy.py       tenants by API key: ids, stored responses and cache salts scoped to each
       frontend/        the OpenAI app and request pipeline: validation, prompts, SSE, auth,
                        admission, frontend metrics, the engine client, hot prefixes, routing_key
-      engine/          the vLLM engine replica: load stats, KV events → cache digest, pending
-                       prefill, placement, core pinning, start phases, the demo model
+      engine/          the vLLM engine replica: its engine resolved as `vllm serve` resolves it,
+                       vLLM's own OpenAI app on it, load stats, KV events → cache digest,
+                       pending prefill, standby roles, stored-response ids, placement, core
+                       claims and pinning, start phases, the demo model
       routing/         the prefix-aware policy (pure: no Ray) and its Ray adapters (ray_*.py)
 
 Imports go down only, and a unit test (tests/unit/test_deployments_layout.py) pins it:

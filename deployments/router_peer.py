@@ -7,14 +7,16 @@
     ◄── {"replica_id": "SERVE_REPLICA::<app>#Engine#<id>",
          "request_headers": {prompts.ROUTED_TOKENS_HEADER: <the token ids>,
                              routing_key.ROUTED_HASHES_HEADER: <their block hashes>,
-                             routing.trust.PREDICTED_CACHED_TOKENS_HEADER: <tokens>;<replica>}};
+                             routing.trust.PREDICTED_CACHED_TOKENS_HEADER:
+                                 <cached tokens>;<replica>;<exclusive tokens>,
+                             internal_auth.ROUTE_SIGNATURE_HEADER: <HMAC of them and the body>}};
         HAProxy forwards the original request, with those headers, to that replica's own HTTP port
 
 A body continuing a stored response (`previous_response_id`, serving.responses_store) is pinned
 to the replica holding it (routing.response_pins): the RoutingKey carries that replica.
 
-The second header is the router's prediction of the prompt tokens the picked replica has
-cached (prefix_aware writes it into the RoutingKey's `decision` slot); the replica compares
+The third header is the router's prediction of the prompt tokens the picked replica has
+cached (and of those, the ones no other replica holds) (prefix_aware writes it into the RoutingKey's `decision` slot); the replica compares
 it with the engine's report when the request finishes (index-trust telemetry).
 
 Ray Serve 2.60 wires it with `Application._with_ingress_request_router` (an internal hook

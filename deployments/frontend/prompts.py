@@ -5,7 +5,7 @@ One builder serves every place a prompt is tokenized, so they always agree on th
 the OpenAI frontend (an ingress replica, or an engine replica serving HTTP directly) and
 the direct-mode routing peer, which tokenizes only to hash blocks.
 
-    read_json (413, 400) → parse (400 per field, 404 model) → tokens (400: too many
+    read_body (413) → parse_json_body (400) → parse (400 per field, 404 model) → tokens (400: too many
     messages or characters, template errors, token ids out of vocabulary) → budget (400:
     prompt + max_tokens over the context)
 
