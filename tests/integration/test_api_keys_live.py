@@ -223,7 +223,8 @@ def test_the_routers_headers_sent_straight_to_a_replica_port_are_ignored(auth_ap
 
 def test_the_routing_peer_answers_only_haproxy(auth_app):
     """POST /internal/route without HAProxy's consult token is a 403 (nothing parsed, picked or booked); the live
-    HAProxy config carries kvtide's rules."""
+    HAProxy config carries kvtide's rules (header timeout, the disconnect header dropped, a failed consult as an
+    OpenAI-shaped 503 with Retry-After)."""
     lua = list(_haproxy_dir().glob("kvtide-*.lua"))
     assert lua and all(oct(p.stat().st_mode & 0o777) == "0o600" for p in lua)
     routers = {m for p in lua for m in re.findall(r'host = "([0-9.]+)", port = ([0-9]+)', p.read_text())}
@@ -233,3 +234,4 @@ def test_the_routing_peer_answers_only_haproxy(auth_app):
         assert resp.status_code == 403, resp.text
     for cfg in _haproxy_configs():
         assert "timeout http-request" in cfg and "del-header x-request-disconnect-disabled" in cfg
+        assert "Ingress request router failed" not in cfg and "hdr Retry-After 1" in cfg  # a failed consult: JSON 503

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import stat
 import threading
 import time
@@ -352,6 +353,9 @@ def test_the_shim_edits_the_files_ray_wrote_once_and_keeps_the_lua_private(tmp_p
     lua.write_text(_ray_lua())
     config = tmp_path / "haproxy.cfg"
     rendered = _ray_haproxy_config(tmp_path).replace("global\n", f"global\n    lua-load-per-thread {lua}\n", 1)
+    # With a router, Ray's frontend answers a failed consult in plain text (its template's line).
+    rendered = re.sub(r"(frontend http_frontend\n    bind [^\n]+\n)", lambda m: m.group(1) + (
+        f"    http-request return status 503 {haproxy_shim.ROUTER_FAILED_TEXT} if TRUE\n"), rendered, count=1)
     config.write_text(rendered)
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET)
@@ -360,6 +364,8 @@ def test_the_shim_edits_the_files_ray_wrote_once_and_keeps_the_lua_private(tmp_p
     edited = config.read_text()
     copy = tmp_path / "kvtide-router.lua"
     assert f"lua-load-per-thread {copy}\n" in edited and "timeout http-request 9s" in edited
+    assert haproxy_shim.ROUTER_FAILED_TEXT not in edited  # a failed consult: OpenAI's JSON 503 with Retry-After
+    assert "content-type application/json" in edited and "hdr Retry-After 1" in edited
     assert stat.S_IMODE(copy.stat().st_mode) == 0o600 and consult_token(SECRET) in copy.read_text()
     haproxy_shim.prepare(["-db", "-f", str(config)], env)
     assert config.read_text() == edited
