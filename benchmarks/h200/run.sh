@@ -7,7 +7,9 @@
 #   (stage first: bash benchmarks/h200/stage-all.sh)
 #   bash benchmarks/h200/run.sh placement      N TP=1 replicas on N GPUs; 4 replicas on 2 GPUs (x2 kind)
 #   bash benchmarks/h200/run.sh overhead-demo  kvtide direct / ingress vs bare vLLM, demo model, one GPU
-#                                              (SERVERS, CONCURRENCY, NUM_REQUESTS, OVERHEAD_DURATION narrow it)
+#                                              (SERVERS, CONCURRENCY, NUM_REQUESTS, OVERHEAD_DURATION narrow it;
+#                                              REPEATS alternated measured starts per server, default 3, each after
+#                                              one unmeasured warm-up start: benchmarks/protocol.py)
 #   bash benchmarks/h200/run.sh overhead-8b    the same with a Llama-3.1-8B-shaped model built on the device
 #                                              (TTFT_PATHS=N: first N rounds of one stream's TTFT by path)
 #   bash benchmarks/h200/run.sh overhead-8b-inline  kvtide alone, its routing peer tokenizing on the event loop
@@ -62,6 +64,8 @@ if [ ! -d /tmp/kvt/kvtide ]; then
 fi
 # The repo root is NOT on the path: its kvtide/ folder holds only the namespace root.
 export PYTHONPATH=/tmp/kvt:/tmp/site
+# provenance of every result (benchmarks/protocol.py): the commit the wheel was built from (stage-kvtide.sh)
+[ -f .gpu/kvtide/COMMIT ] && export KVTIDE_COMMIT=$(cat .gpu/kvtide/COMMIT)
 if [ "${VLLM029:-0}" = 1 ]; then  # vLLM 0.29 + torch 2.13 (stage-vllm029.sh) shadow the 0.26 set
   if [ ! -d /tmp/site2/vllm ]; then
     mkdir -p /tmp/wheels029 && cat /tmp/wn/npart-* | tar xif - -C /tmp/wheels029 &&  # -i: parts may hold several tars
@@ -334,6 +338,7 @@ overhead-demo)
       --servers "${SERVERS:-kvtide,kvtide-ingress,vllm}" --concurrency "${CONCURRENCY:-1,16,64}" \
       --num-requests "${NUM_REQUESTS:-200}" \
       --duration "${OVERHEAD_DURATION:-60}" --input-len 512 --output-len 128 --hardware "$(gpu_label 1), demo model" \
+      --repeats "${REPEATS:-3}" \
       --no-progress --out-dir "$RES/overhead-demo" > "$RES/overhead-demo.log" 2>&1
   tail -15 "$RES/overhead-demo/report.md"
   ;;
@@ -353,6 +358,7 @@ overhead-8b|overhead-8b-inline|overhead-8b-peer|overhead-8b-peers2)
       --set engine.gpu_memory_utilization=0.85 --set engine.max_num_seqs=128 "${extra[@]}" \
       --servers "$servers" --concurrency "$conc" --num-requests "${NUM_REQUESTS:-200}" \
       --duration "${OVERHEAD_DURATION:-60}" --input-len 512 --output-len 128 --ttft-paths "${TTFT_PATHS:-0}" \
+      --repeats "${REPEATS:-3}" \
       --hardware "$(gpu_label 1), Llama-3.1-8B shape, random weights" \
       --no-progress --out-dir "$RES/$1" > "$RES/$1.log" 2>&1
   tail -15 "$RES/$1/report.md"

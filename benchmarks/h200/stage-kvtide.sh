@@ -8,4 +8,6 @@ src=$(mktemp -d)
 git ls-files -z | xargs -0 -I{} cp --parents {} "$src"
 python3 -m pip wheel --quiet --no-deps --wheel-dir .gpu/kvtide "$src"
 rm -rf "$src"
+# The device copy has no .git: run.sh exports this as KVTIDE_COMMIT for the results' provenance.
+echo "$(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!benchmarks/results' || echo -dirty)" > .gpu/kvtide/COMMIT
 ls .gpu/kvtide
