@@ -2,7 +2,9 @@
 
 `build_app` is the `import_path` target (`kvtide.cluster.app:build_app`) for `serve run`,
 `serve deploy` and KubeRay's `serveConfigV2`: Serve passes the application's `args`
-(the kvtide config as a dict) and gets back the bound ingress → engine graph.
+(the kvtide config as a dict) and gets back the bound application: in direct mode the engine
+servers (each its own HTTP ingress behind HAProxy) with the routing peer HAProxy consults; in
+ingress mode the Ingress deployment over the engine deployment.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from kvtide.autoscaling.ray_policy import autoscaling_config
 from kvtide.config import DEMO_MODEL, KvtideConfig, config_to_dict, parse_config
+# How long a stopping engine replica may drain when requests have no deadline (one constant with
+# HAProxy's hard-stop-after, KvtideConfig.ray_process_env: an old HAProxy outlasts the drain).
+from kvtide.config.model import DRAIN_TIMEOUT_WITHOUT_DEADLINE_S
 from kvtide.deployments.engine.placement import placement_bundles, replica_actor_options
 from kvtide.deployments.frontend.admission import admission_limits
 from kvtide.deployments.engine.replica import EngineReplica
@@ -24,8 +29,6 @@ from kvtide.deployments.router_peer import RouterPeer
 from kvtide.deployments.server import EngineServer
 from kvtide.deployments.routing.ray_router import PrefixAwareRouter, RoundRobinRouter
 
-# How long a stopping engine replica may drain when requests have no deadline.
-DRAIN_TIMEOUT_WITHOUT_DEADLINE_S = 600.0
 # Serve slots above the admission gate in direct mode, for bursts (and probes, /v1/models):
 # a slot costs nothing, and a request refused by the gate holds one for microseconds.
 DIRECT_BURST_SLOTS = 512

@@ -1,4 +1,4 @@
-"""`kvtide` command line: serve, demo-model, config checks.
+"""`kvtide` command line: serve, demo-model, config checks, drain-node.
 
 Subcommands stay thin: they parse flags, load the one config model, and call the
 module that owns the work. Commands of the layers below (plan, dashboards) are imported;
@@ -117,6 +117,13 @@ def cmd_serve_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drain_node(args: argparse.Namespace) -> int:
+    from kvtide.cluster.drain import main as drain_main
+
+    return drain_main(args.timeout_s, address=args.address, node_id=args.node_id,
+                      node_ip_address=args.node_ip_address, app=args.app)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtide", description="LLM serving cluster on Ray Serve + vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,6 +149,23 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print the process-level Ray settings instead, as `export` lines for every node's "
                            "`ray start` (eval \"$(kvtide serve-config --env)\")")
     sc_p.set_defaults(func=cmd_serve_config)
+
+    drain_p = sub.add_parser(
+        "drain-node", help="before this Ray node stops (a pod's preStop): have Serve move the app's replicas off it "
+                           "and let its streams finish; exits 0 within --timeout-s")
+    drain_p.add_argument("--timeout-s", type=float, required=True,
+                         help="longest to wait, and the drain deadline Ray is given: at least the request deadline "
+                              "(frontend.admission.request_timeout_s) for no stream to be cut, more for the "
+                              "replacements to start before this node's replicas stop")
+    drain_p.add_argument("--address",
+                         help="Ray's GCS address (default: RAY_ADDRESS, else the Ray started on this machine)")
+    drain_p.add_argument("--node-id",
+                         help="hex id of the Ray node to drain (default: the one at this machine's address)")
+    drain_p.add_argument("--node-ip-address",
+                         help="this node's address as Ray knows it (default: Ray's own detection)")
+    drain_p.add_argument("--app",
+                         help="the Serve application (default: kvtide's, as serve-config and the chart name it)")
+    drain_p.set_defaults(func=cmd_drain_node)
 
     from kvtide.autoscaling.cli import register as register_plan
 

@@ -114,6 +114,42 @@ def test_past_the_deadline_mid_stream_the_stream_ends_with_an_error_event():
     assert done == [504]
 
 
+def _answering(status: int, died_during: list[bool] | None = None):
+    """A vLLM app answering `status` with a JSON body; it sets died_during[0] first (the engine dies in the request)."""
+    async def app(scope, receive, send):
+        await receive()
+        if died_during is not None:
+            died_during[0] = True
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"error": "EngineDeadError"}', "more_body": False})
+    return app
+
+
+def _on_engine(app, dead: list[bool]) -> VllmLayerResponse:
+    response = VllmLayerResponse(app, b"{}", None, _timeout(), lambda s: None)
+    response.engine_dead = lambda: dead[0]
+    response.unavailable = ApiError(503, "retry it", code="engine_unavailable", headers={"Retry-After": "1"})
+    return response
+
+
+def test_vllms_500_on_an_engine_dead_before_the_hand_over_becomes_the_retryable_503():
+    """A dead engine's 500 from vLLM's layer goes out as kvtide's 503 engine_unavailable + Retry-After, none of vLLM's."""
+    sent, done = _run(_on_engine(_answering(500), [True]), [])
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[0]["status"] == 503 and (b"retry-after", b"1") in sent[0]["headers"]
+    assert json.loads(sent[1]["body"])["error"]["code"] == "engine_unavailable" and done == [503]
+
+
+def test_a_500_from_an_engine_alive_at_the_hand_over_or_another_answer_passes_as_vllm_gave_it():
+    """No 503 where the request may have killed the engine (alive when handed over), nor for another answer."""
+    dead = [False]
+    sent, done = _run(_on_engine(_answering(500, dead), dead), [])
+    assert sent[0]["status"] == 500 and b"EngineDeadError" in sent[1]["body"] and done == [500]
+    sent, done = _run(_on_engine(_answering(404), [True]), [])
+    assert sent[0]["status"] == 404 and done == [404]
+
+
 def test_serving_section_reaches_engine_kwargs_and_the_vllm_serve_flags():
     """serving: options vLLM takes as engine args go to the engine; the rest become the same `vllm serve` flags."""
     config = parse_config({"serving": {"tool_call_parser": "hermes", "enable_auto_tool_choice": True,

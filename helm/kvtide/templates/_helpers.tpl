@@ -401,8 +401,9 @@ values as KvtideConfig.ray_process_env() (a unit test compares them). */}}
   value: {{ add 3 (dig "ingress" "admission" "max_retries" (dig "frontend" "admission" "max_retries" 2 .Values.kvtide) .Values.kvtide | int64) | toString | quote }}
 - name: RAY_SERVE_HAPROXY_RETRY_ON
   value: "conn-failure empty-response junk-response 503"
-{{- /* At least the longest a request may last (its deadline; null: the 600 s drain a stopping replica
-gets) plus HAProxy's own time before it (60 s): an old HAProxy after a reload keeps its streams that long. */}}
+{{- /* At least the longest a request may last (its deadline; null: the drain a stopping replica gets,
+DRAIN_TIMEOUT_WITHOUT_DEADLINE_S) plus HAProxy's own time before it (HAPROXY_HARD_STOP_MARGIN_S; both in
+config/model.py): an old HAProxy after a reload keeps its streams that long. */}}
 {{- $timeout := dig "ingress" "admission" "request_timeout_s" (dig "frontend" "admission" "request_timeout_s" 600 .Values.kvtide) .Values.kvtide | default 600 }}
 - name: RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S
   value: {{ add (ceil $timeout | int64) 60 | toString | quote }}
