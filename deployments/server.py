@@ -46,7 +46,7 @@ class EngineServer(EngineReplica):
     async def __init__(self, config_dict: dict):
         await EngineReplica.__init__(self, config_dict)
         self.frontend, self.api_keys = build_frontend(
-            self.config, lambda limits: LocalEngineClient(self.generate, limits), None, "engine server")
+            self.config, lambda limits: LocalEngineClient(self.generate, limits, self.engine_dead), None, "engine server")
         # The routing peer's signed tokens, set by HAProxy: tokenize once (none trusted without the secret).
         self.frontend.router_secret = load_internal_secret(os.environ)
         # vLLM's own OpenAI layer on this engine answers what kvtide's path does not implement.

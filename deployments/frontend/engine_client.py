@@ -5,7 +5,9 @@
                          token has come (the client never sees text twice)
     LocalEngineClient    direct mode: the frontend runs inside the engine replica and iterates
                          its vLLM stream directly; HAProxy retries a refused connection on
-                         another replica, nothing else is retried
+                         another replica, and a 503 this client answers only where the engine
+                         was dead before the request reached it (a 500 is never retried: a
+                         request that killed its engine must not be replayed onto the next)
 
 Both hand back an `EngineStream` whose first delta has arrived (or that ended with none),
 and raise `ApiError` for what the client should see: 429 (engine queue full), 503 (no
@@ -159,12 +161,15 @@ class LocalEngineClient:
 
     routes_requests = False  # the routing peer already picked this replica
 
-    def __init__(self, generate: Callable[[GenerateRequest], AsyncIterator[GenerateDelta]], limits: AdmissionLimits):
+    def __init__(self, generate: Callable[[GenerateRequest], AsyncIterator[GenerateDelta]], limits: AdmissionLimits,
+                 engine_dead: Callable[[], bool] = lambda: False):
         self.generate = generate
         self.limits = limits
+        self.engine_dead = engine_dead  # the replica's engine is gone (EngineReplica.engine_dead)
 
     async def open(self, request: GenerateRequest, deadline: Deadline,
                    on_rejected: Callable[[str], None]) -> EngineStream:
+        dead_at_hand_over = self.engine_dead()
         generator = self.generate(request)
 
         def cancel() -> None:
@@ -177,6 +182,9 @@ class LocalEngineClient:
             return await _first_delta(stream, deadline, self.limits, on_rejected)
         except (ApiError, asyncio.CancelledError):
             raise
-        except Exception as exc:  # the engine core died: this replica cannot serve it
+        except Exception as exc:  # the engine failed this request before its first token
             logger.warning("request %s failed before its first token: %s", request.request_id, type(exc).__name__)
-            raise unavailable_error(self.limits) from None
+            if dead_at_hand_over:  # another replica can serve it: HAProxy retries the 503
+                raise unavailable_error(self.limits) from None
+            # The engine died while it held this request, which may be why: not retried elsewhere.
+            raise ApiError(500, "the engine failed while starting this request", code="engine_failed") from None

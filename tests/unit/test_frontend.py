@@ -731,3 +731,21 @@ def test_the_api_description_is_served_only_when_asked_for():
 
     client = TestClient(build_openai_app(frontend, ApiKeys([]), ready))
     assert [client.get(p).status_code for p in ("/docs", "/redoc", "/openapi.json")] == [200, 200, 200]
+
+
+@pytest.mark.parametrize(("dead_at_hand_over", "status", "code"), [
+    (True, 503, "engine_unavailable"),  # the engine was gone before: another replica serves it (HAProxy retries 503)
+    (False, 500, "engine_failed"),  # it died holding this request, maybe because of it: never replayed elsewhere
+])
+def test_a_local_engine_failing_before_the_first_token_is_retried_only_if_it_was_dead_before(dead_at_hand_over,
+                                                                                              status, code):
+    """Direct mode's engine client answers the retryable 503 only for an engine dead at hand-over, else a 500."""
+    async def generate(request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        raise RuntimeError("EngineDeadError")
+        yield  # an async generator
+
+    engine = LocalEngineClient(generate, admission_limits(CONFIG), engine_dead=lambda: dead_at_hand_over)
+    client, metrics = _app(engine=engine)
+    resp = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1})
+    assert resp.status_code == status and resp.json()["error"]["code"] == code
+    assert ("Retry-After" in resp.headers) is (status == 503)
