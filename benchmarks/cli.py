@@ -2,6 +2,7 @@
 
     kvtide bench run     --url URL --workload NAME (--rate R | --concurrency C) --duration S --out FILE.json
     kvtide bench compare --config FILE --policies bare,pow2,ray_prefix,prefix_aware ... --out DIR
+    kvtide bench readme  [--check]   README.md's results block from the committed result files
 
 `run` measures any OpenAI-compatible server on loopback. `compare` runs the same
 workload with the same seed once per entry of --policies, each on a fresh server.
@@ -55,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
 
 import httpx
 
+from kvtide.benchmarks import readme_results
 from kvtide.benchmarks.loadgen import DEFAULT_REQUEST_TIMEOUT_S, LoadResult, run_load
 from kvtide.benchmarks.report import (
     DEFAULT_SLO_TTFT_S,
@@ -170,7 +172,7 @@ def _add_load_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `bench run` and `bench compare` to the kvtide CLI."""
+    """Add `bench run`, `bench compare` and `bench readme` to the kvtide CLI."""
     bench = subparsers.add_parser("bench", help="benchmark a server, or compare routing policies side by side")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -210,6 +212,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_workload_flags(cmp_p, sweep=True)
     _add_load_flags(cmp_p, sweep=True)
     cmp_p.set_defaults(func=cmd_compare)
+
+    readme_results.add_parser(sub)
 
 
 # ---- per-workload settings (compare) ---------------------------------------------------------
