@@ -51,12 +51,32 @@ def own_id(value: str, tag: str | None) -> str:
     return f"{value}.{tag}"
 
 
+# vLLM's rules for a cache salt (vllm.entrypoints.generate.base.protocol.validate_cache_salt): kvtide's path
+# checks the same (protocol.py), and the salted value must pass them too.
+MAX_CACHE_SALT_CHARS = 128
+CACHE_SALT_FORBIDDEN_CHARS = frozenset("@/\\\x00")
+
+
+def valid_cache_salt(cache_salt: str) -> bool:
+    return 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS and not CACHE_SALT_FORBIDDEN_CHARS & set(cache_salt)
+
+
 def salted(cache_salt: str | None, tag: str | None, isolate: bool) -> str | None:
     """The cache salt the engine gets: the tenant's tag ahead of the client's salt (a fixed-length prefix, so no
-    salt one tenant sends can equal another's), or the client's alone when caches are shared."""
+    salt one tenant sends can equal another's), or the client's alone when caches are shared.
+
+    A salt vLLM would refuse is left as sent, to be refused naming the client's own value; one that fits
+    alone but not behind the tag is replaced by its SHA-256 (a salt is only ever compared, never read)."""
     if tag is None or not isolate:
         return cache_salt
-    return f"{tag}:{cache_salt}" if cache_salt else tag
+    if not cache_salt:
+        return tag if cache_salt is None else cache_salt
+    if not valid_cache_salt(cache_salt):
+        return cache_salt
+    combined = f"{tag}:{cache_salt}"
+    if len(combined) > MAX_CACHE_SALT_CHARS:
+        combined = f"{tag}:{hashlib.sha256(cache_salt.encode('utf-8')).hexdigest()}"
+    return combined
 
 
 def is_tenant_salt(cache_salt: str) -> bool:

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvtide.deployments.tenancy import CACHE_SALT_FORBIDDEN_CHARS, MAX_CACHE_SALT_CHARS
+
 
 class ApiError(Exception):
     """A client-visible error: HTTP status + OpenAI error body."""
@@ -98,7 +100,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     # vLLM's extension: prefix-cache isolation. Requests share cached KV blocks (and the
     # router matches them) only with requests of the same salt; typically one per tenant.
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # vLLM's extension: each choice (and each stream chunk) carries its output token ids, and a
     # stream sends a chunk for every engine step that produced tokens, text or not. Clients that
     # time tokens need it: a token can decode to no text yet (part of a multi-byte character).
@@ -115,6 +117,13 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt_as_vllm_takes_it(cls, value: str | None) -> str | None:
+        if value is not None and CACHE_SALT_FORBIDDEN_CHARS & set(value):
+            raise ValueError("must not contain '@', '/', '\\' or NUL (vLLM's rule for a cache salt)")
+        return value
 
     @field_validator("n")
     @classmethod

@@ -407,3 +407,42 @@ def test_a_tenants_hot_prefix_is_warmed_under_its_salt_and_a_clients_own_salt_ne
     assert sorted((entry[2] if len(entry) > 2 else "") for entry in hot) == sorted([a, ""])
     plan = plan_prefills(hot, token_budget=1000, kv_capacity_tokens=10_000, max_prefixes=8, block_size=bs)
     assert sorted(plan, key=lambda p: str(p[1])) == sorted([(tokens, a), (tokens, None)], key=lambda p: str(p[1]))
+
+
+def test_a_salted_salt_always_passes_vllms_rules_and_a_refused_one_stays_the_clients():
+    """Behind the tag a salt near vLLM's 128-character limit is hashed to fit (still distinct per salt); a salt vLLM
+    refuses (too long, '@' or '/') is left as sent, so the refusal names the client's own value."""
+    from kvtide.deployments.tenancy import valid_cache_salt
+
+    a = tenant_tag("team-a")
+    long_a, long_b = "x" * 120, "x" * 119 + "y"
+    assert valid_cache_salt(salted(long_a, a, True)) and salted(long_a, a, True) != salted(long_b, a, True)
+    for refused in ("y" * 129, "a@b", "a/b"):
+        assert salted(refused, a, True) == refused and not valid_cache_salt(refused)
+
+
+@pytest.mark.parametrize("salt", ["y" * 129, "tenant@corp", "a/b"])
+def test_kvtides_path_refuses_a_cache_salt_vllm_refuses(salt):
+    """cache_salt is checked as vLLM checks it (at most 128 characters; no '@', '/', '\\' or NUL): a 400 naming it."""
+    from fastapi.testclient import TestClient
+
+    from kvtide.deployments.frontend.admission import admission_limits
+    from kvtide.deployments.frontend.app import build_openai_app
+    from kvtide.deployments.frontend.engine_client import LocalEngineClient
+    from kvtide.deployments.frontend.metrics import FrontendMetrics
+    from kvtide.deployments.frontend.pipeline import OpenAIFrontend
+
+    async def generate(request):
+        raise AssertionError("a refused request reached the engine")
+        yield
+
+    frontend = OpenAIFrontend(CONFIG, PromptBuilder(CONFIG, FakeTokenizer()),
+                              LocalEngineClient(generate, admission_limits(CONFIG)), FrontendMetrics(), None)
+
+    async def ready():
+        return True
+
+    client = TestClient(build_openai_app(frontend, ApiKeys(["team-a sk-a"]), ready))
+    resp = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1, "cache_salt": salt},
+                       headers={"Authorization": "Bearer sk-a"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt", resp.text
