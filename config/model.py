@@ -42,8 +42,8 @@ from kvtide.config.lora import LoraConfig
 from kvtide.config.serving import ServingConfig
 from kvtide.config.vllm_args import check_extra_args, engine_arg_names
 
-# Refused connections after which HAProxy marks a replica down (Ray Serve's
-# `observe layer4 error-limit 3`); see KvtideConfig.ray_process_env.
+# Refused connections or 5xx answers in a row after which HAProxy marks a replica down (Ray Serve's
+# `error-limit 3`, observed at layer 7 by kvtide-haproxy); see KvtideConfig.ray_process_env.
 HAPROXY_MARK_DOWN_ERRORS = 3
 # HAProxy's retry-on in direct mode (the reason is at its use in ray_process_env).
 HAPROXY_RETRY_ON = "conn-failure empty-response junk-response 503"
@@ -372,7 +372,8 @@ class KvtideConfig(Strict):
                 # Retry before the first byte: a replica that refuses the connection (dead,
                 # draining) is retried on another. HAProxy balances by least connections, so a
                 # dead replica (no connections) is picked again until its third refused
-                # connection marks it down (error-limit 3): 3 retries on top of max_retries.
+                # connection or retryable 503 marks it down (error-limit 3, observed at layer 7 by
+                # kvtide-haproxy): 3 retries on top of max_retries.
                 "RAY_SERVE_HAPROXY_RETRIES": str(self.frontend.admission.max_retries + HAPROXY_MARK_DOWN_ERRORS),
                 # Retry also a request whose connection closed with no response: a replica that
                 # died after accepting it (in the second before Serve notices, it is still picked),

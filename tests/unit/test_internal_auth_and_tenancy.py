@@ -323,11 +323,15 @@ def _ray_lua() -> str:
 
 
 def test_the_shim_adds_kvtides_rules_to_the_config_ray_renders(tmp_path):
-    """timeout http-request, the client's x-request-disconnect-disabled dropped, stats and metrics on loopback."""
+    """timeout http-request, the client's x-request-disconnect-disabled dropped, stats and metrics on loopback,
+    replicas observed at layer 7 (a replica answering 5xx is marked down as one refusing connections is)."""
     config = haproxy_shim.patch_config(_ray_haproxy_config(tmp_path), 7, None)
     assert "\n    timeout http-request 7s\n" in config
     assert "\n    http-request del-header x-request-disconnect-disabled\n" in config
     assert "bind 127.0.0.1:8404" in config and "bind 127.0.0.1:9101" in config
+    server = "    server r1 127.0.0.1:30001 check observe layer4 error-limit 3 on-error mark-down\n"
+    assert "observe layer7 error-limit 3 on-error mark-down" in haproxy_shim.patch_config(  # 5xx count as errors
+        _ray_haproxy_config(tmp_path) + "backend b\n" + server, 7, None)
 
 
 def test_the_shim_sends_the_key_and_the_consult_token_from_rays_lua():
