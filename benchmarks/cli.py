@@ -3,6 +3,9 @@
     kvtide bench run     --url URL --workload NAME (--rate R | --concurrency C) --duration S --out FILE.json
     kvtide bench compare --config FILE --policies bare,pow2,ray_prefix,prefix_aware ... --out DIR
     kvtide bench readme  [--check]   README.md's results block from the committed result files
+    kvtide bench trace   --base-url URL --metrics-url URL --model M --tokenizer DIR --block-tokens B --out-dir DIR
+                                     a Mooncake-format trace replayed at its arrival times by aiperf
+                                     (benchmarks/trace_replay.py)
 
 `run` measures any OpenAI-compatible server on loopback. `compare` runs the same
 workload with the same seed once per entry of --policies, each on a fresh server.
@@ -57,6 +60,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
 import httpx
 
 from kvtide.benchmarks import readme_results
+from kvtide.benchmarks import trace_replay
 from kvtide.benchmarks.loadgen import DEFAULT_REQUEST_TIMEOUT_S, LoadResult, run_load
 from kvtide.benchmarks.report import (
     DEFAULT_SLO_TTFT_S,
@@ -172,7 +176,7 @@ def _add_load_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `bench run`, `bench compare` and `bench readme` to the kvtide CLI."""
+    """Add `bench run`, `bench compare`, `bench readme` and `bench trace` to the kvtide CLI."""
     bench = subparsers.add_parser("bench", help="benchmark a server, or compare routing policies side by side")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -214,6 +218,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cmp_p.set_defaults(func=cmd_compare)
 
     readme_results.add_parser(sub)
+    trace_replay.add_parser(sub)
 
 
 # ---- per-workload settings (compare) ---------------------------------------------------------
