@@ -463,7 +463,9 @@ async def _drive(base_url: str, metrics_url: str, model: str, trace: Trace, resu
 
     rng = random.Random(seed)
     hot = _words(random.Random(seed + 1), trace.hot_prefix_words)
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+    from kvtide.benchmarks.loadgen import client_limits
+
+    limits = client_limits(None)
     async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
         await preflight(client, model, f"{hot} question -1?")
         start = time.monotonic()

@@ -48,6 +48,17 @@ class LoadResult:
     duration_s: float
 
 
+
+def client_limits(max_in_flight: int | None) -> httpx.Limits:
+    """Connection limits for a load generator's client: room for every request in flight (an
+    open-loop load, None, must not queue in the client: that would be latency the server did not
+    cause) and every connection kept alive for good, so httpcore's pool never closes a connection
+    it has just handed to a waiting request (encode/httpcore#1110: that request hangs to its
+    timeout or fails)."""
+    return httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight,
+                        keepalive_expiry=None)
+
+
 def check_loopback(url: str) -> None:
     """Raise ValueError unless `url` is http(s) on a loopback address."""
     parsed = urlparse(url)
@@ -175,7 +186,7 @@ async def run_load(base_url: str, requests: Sequence[BenchRequest], *, duration_
 
     base = base_url.rstrip("/")
     url = f"{base}/v1/chat/completions" if endpoint == "chat" else f"{base}/v1/completions"
-    limits = httpx.Limits(max_connections=concurrency or 1024, max_keepalive_connections=concurrency or 1024)
+    limits = client_limits(concurrency or None)
     timeout = httpx.Timeout(request_timeout_s, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         model = model or await discover_model(client, base)

@@ -192,7 +192,9 @@ async def _drive(base_url: str, model: str, app: str, episode: Episode, *, group
     prefixes = [" ".join(random.Random(seed * 131 + g).choice(WORDS) for _ in range(prefix_words))
                 for g in range(groups)]
     weights = zipf_weights(groups, zipf_s)
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+    from kvtide.benchmarks.loadgen import client_limits
+
+    limits = client_limits(None)
     async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
         start = time.monotonic()
         tasks: list[asyncio.Task] = []

@@ -109,6 +109,44 @@ def engine_actor_names(app: str) -> list[str]:
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 
 
+class ThreadClients:
+    """One httpx.Client per calling thread, used as one client (`get`, `post`, `stream`, ...).
+
+    For tests that send from many threads. httpcore's sync pool is not safe to share under
+    load: one thread's pass over the pool can close a connection it has just handed to another
+    thread's queued request (encode/httpcore#1110), which that thread sees as a read hanging to
+    its timeout or as EBADF. A pool used by one thread has no one to race with."""
+
+    def __init__(self, **client_kwargs: Any):
+        self._client_kwargs = client_kwargs
+        self._local = threading.local()
+        self._clients: list[httpx.Client] = []
+        self._lock = threading.Lock()
+
+    def _client(self) -> httpx.Client:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = httpx.Client(**self._client_kwargs)
+            with self._lock:
+                self._clients.append(client)
+        return client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client(), name)
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()
+
+    def __enter__(self) -> "ThreadClients":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 from ray import serve
-from support import decided_engines, metric_sum, running_engines, wait_for, words_text
+from support import ThreadClients, decided_engines, metric_sum, running_engines, wait_for, words_text
 
 from kvtide.cluster.app import build_from_config
 from kvtide.config import load_config
@@ -34,7 +34,7 @@ def test_kv_pressure_scales_up_warm_and_back_down(cluster, cluster_config):
     ])
     serve.run(build_from_config(config), name=APP, route_prefix="/as", blocking=False)
     base = cluster.base_url + "/as"
-    client = httpx.Client(base_url=base, timeout=180)
+    client = ThreadClients(base_url=base, timeout=180)
     stop = threading.Event()
     try:
         assert running_engines(APP) == 1

@@ -25,7 +25,7 @@ import pytest
 
 import ray
 from ray import serve
-from support import REPO, running_engines, wait_for
+from support import REPO, ThreadClients, running_engines, wait_for
 
 from kvtide.cluster import local
 from kvtide.cluster.nodes import engine_cpus
@@ -167,8 +167,7 @@ def test_draining_a_node_under_long_streams_cuts_none_and_its_replica_returns_el
     placed = _engines_by_node()
     assert {node: len(ids) for node, ids in placed.items()} == {two_nodes.head_id: 1, two_nodes.worker_id: 1}, placed
     (victim,) = placed[two_nodes.worker_id]
-    client = httpx.Client(timeout=httpx.Timeout(STREAM_BOUND_S, connect=10),
-                          limits=httpx.Limits(max_connections=STREAMS + 4))
+    client = ThreadClients(timeout=httpx.Timeout(STREAM_BOUND_S, connect=10))
     results = [Stream(via=i % 2) for i in range(STREAMS)]
     stopping_seen: list[float] = []
     watching = threading.Event()

@@ -41,7 +41,7 @@ import pytest
 
 import ray
 from ray import serve
-from support import (Prom, deploy_app, engine_actor_names, finite, metric_sum, metric_values, running_engines,
+from support import (Prom, ThreadClients, deploy_app, engine_actor_names, finite, metric_sum, metric_values, running_engines,
                      running_prometheus, wait_for)
 
 from kvtide.dashboards import alerts, build
@@ -89,7 +89,7 @@ def _drive_pressure(url: str, metrics_url: str) -> None:
     # vLLM's gauges exist as soon as a replica is ready, before any request.
     wait_for(lambda: _pressure_gauges_exported(metrics_url), 30, 1.0, "the idle pressure engine's gauges")
     hot = " ".join(["shared system prompt"] * 60)  # 185 tokens: 5 full blocks shared by every request
-    with httpx.Client(base_url=url, timeout=300) as http:
+    with ThreadClients(base_url=url, timeout=300) as http:
         for i in range(4):
             assert http.post("/v1/completions", json={"model": PRESSURE_APP, "prompt": f"{hot} q{i}",
                                                       "max_tokens": 1}).status_code == 200

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from ray import serve
 from kvtide.deployments.engine.core_pinning import ENGINE_CORE_TITLE
-from support import deploy_app, engine_actor_names, metric_sum, running_engines, wait_for
+from support import ThreadClients, deploy_app, engine_actor_names, metric_sum, running_engines, wait_for
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -318,8 +318,7 @@ def _fuzz(cluster, strategy, num_cases: int, answer_problem, by_design: frozense
         cases.append(case)
 
     collect()
-    client = httpx.Client(base_url=cluster.base_url, timeout=CLIENT_TIMEOUT_S,
-                          limits=httpx.Limits(max_connections=FUZZ_CONCURRENCY))
+    client = ThreadClients(base_url=cluster.base_url, timeout=CLIENT_TIMEOUT_S)
     started = time.monotonic()
 
     def send(case: tuple[str, bytes]) -> tuple[int, str | None]:
@@ -551,8 +550,7 @@ def test_soak_2000_mixed_requests_no_errors_kv_drains_and_rss_is_flat(cluster, c
                             pass
             samples.append((finished[0], rss))
 
-    client = httpx.Client(base_url=cluster.base_url, timeout=CLIENT_TIMEOUT_S,
-                          limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+    client = ThreadClients(base_url=cluster.base_url, timeout=CLIENT_TIMEOUT_S)
 
     def run(case) -> str:
         endpoint, body = case
@@ -634,7 +632,7 @@ def kill_app(cluster, cluster_config):
 def test_killed_engine_replica_ends_streams_cleanly_and_the_fleet_recovers(kill_app):
     """32 streams, one engine killed: each ends (done or SSE error) in bound, new requests succeed (also before Serve notices), 2 replicas return."""
     assert running_engines(KILL_APP) == 2
-    client = httpx.Client(base_url=kill_app, timeout=httpx.Timeout(KILL_REQUEST_BOUND_S, connect=10))
+    client = ThreadClients(base_url=kill_app, timeout=httpx.Timeout(KILL_REQUEST_BOUND_S, connect=10))
     body = {"model": KILL_APP, "prompt": "def replica_failure():", "max_tokens": 400, "temperature": 0,
             "stream": True, "ignore_eos": True}
     results = [StreamResult() for _ in range(32)]
@@ -711,7 +709,7 @@ def test_a_replica_whose_engine_died_hands_every_request_to_another(kill_app):
     (core,) = [p for p in psutil.Process(victim_pid).children() if _is_engine_core(p, {victim_pid})]
     core.kill()
     core.wait(30)
-    client = httpx.Client(base_url=kill_app, timeout=120)
+    client = ThreadClients(base_url=kill_app, timeout=120)
     own_path = [{"model": KILL_APP, "prompt": f"after the engine died {i}", "max_tokens": 4} for i in range(8)]
     vllm_layer = [{**body, "logprobs": 1} for body in own_path]  # logprobs: answered by vLLM's layer
     with ThreadPoolExecutor(8) as pool:
@@ -741,7 +739,7 @@ def overload_app(cluster, cluster_config):
 def test_overload_gets_429_with_retry_after_and_health_stays_green(overload_app, cluster):
     """128 concurrent requests against room for 8: admitted ones complete, the rest get 429 + Retry-After, none hang."""
     rejections_before = metric_sum(cluster.metrics_url, "ray_kvtide_admission_rejections_total")
-    client = httpx.Client(base_url=overload_app, timeout=CLIENT_TIMEOUT_S)
+    client = ThreadClients(base_url=overload_app, timeout=CLIENT_TIMEOUT_S)
     probes: list[tuple[int, float]] = []
     stop = threading.Event()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 from ray import serve
-from support import running_engines, wait_for, words_text
+from support import ThreadClients, running_engines, wait_for, words_text
 
 from kvtide.autoscaling import roles_channel
 from kvtide.cluster.app import build_from_config
@@ -58,7 +58,7 @@ def test_standby_takes_traffic_only_after_the_scale_up_and_the_least_valuable_re
         "autoscaling.cache_value_window_s=3600",
     ])
     serve.run(build_from_config(config), name=APP, route_prefix="/sb", blocking=False)
-    client = httpx.Client(base_url=cluster.base_url + "/sb", timeout=180)
+    client = ThreadClients(base_url=cluster.base_url + "/sb", timeout=180)
     stop = threading.Event()
     try:
         # Both engines start with the app (min_replicas + standby_replicas); one is set aside.
