@@ -74,10 +74,10 @@ class Source:
 
 # Which run is current for each README table or claim: the one place to change when new runs land.
 CURRENT_RUNS: dict[str, Source] = {
-    "overhead": Source("Serving overhead against bare vLLM", "h200-session-2026-12-03b",
-                       ("overhead-8b/results.json",)),
+    "overhead": Source("Serving overhead against bare vLLM", "h100-session-2026-12-06", ("paired/results.json",),
+                       note="repeats not alternated: bare vLLM's three, then kvtide's three, on one machine"),
     "vllm_layer": Source("vLLM's serving layer in the replica", "h200-session-2026-12-03c",
-                         ("first/results.json", "second/results.json"), note="on an earlier vLLM than the table"),
+                         ("first/results.json", "second/results.json"), note="an earlier kvtide on an H200"),
     "routing": Source("Prefix-aware routing against the baselines", "h200-session-2026-12-02c",
                       ("routing-all/results.json",)),
     "routing_random": Source("Routing on random prompts", "h200-session-2026-12-02e",
@@ -288,7 +288,8 @@ def overhead_section(results_root: Path, source: Source, layer: Source | None) -
                 if n is not None]
     servers = ", ".join(label.strip("*") for name, label in OVERHEAD_SERVERS if name in levels)
     lines = [
-        f"**{source.title}** ({caption_source(source, [_runs_of(data)], 'server')}): "
+        f"**{source.title}** ({caption_source(source, [_runs_of(data)], 'server')}"
+        f"{'; ' + source.note if source.note else ''}): "
         f"{_recorded(data.get('hardware'), 'hardware', source.title)}; "
         f"{servers}, one engine each, one server at a time; ~{_flag(flags, '--input-len', source.title)}-token random "
         f"prompts, {_flag(flags, '--output-len', source.title)} output tokens, closed loop, "

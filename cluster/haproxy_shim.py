@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -140,6 +141,33 @@ def prepare(args: Sequence[str], environ: Mapping[str, str]) -> None:
             out.write(lua)
         lua_path = str(target)
     path.write_text(PATCHED_MARK + patch_config(config, int(environ.get(HEADER_TIMEOUT_ENV, "10")), lua_path))
+
+
+SCRIPT_NAME = "kvtide-haproxy"
+_launcher: Path | None = None
+
+
+def shim_path(launcher_dir: Path | None = None) -> Path:
+    """The executable Ray runs as HAProxy (RAY_SERVE_HAPROXY_BINARY_PATH: a path, no arguments).
+
+    The console script pip installed beside this Python where there is one; else a launcher that
+    runs `main` with this process's interpreter and import path, written once per process into a
+    directory only its owner can enter (`launcher_dir`, default a new temporary one). kvtide
+    unpacked onto PYTHONPATH, as the GPU benchmarks run it, has no console script."""
+    global _launcher
+    beside = Path(sys.executable).with_name(SCRIPT_NAME)
+    if os.access(beside, os.X_OK):
+        return beside
+    if _launcher is not None and launcher_dir is None and os.access(_launcher, os.X_OK):
+        return _launcher
+    directory = launcher_dir or Path(tempfile.mkdtemp(prefix="kvtide-haproxy-"))  # mode 0700
+    launcher = directory / SCRIPT_NAME
+    launcher.write_text(f"#!{sys.executable}\nimport sys\nsys.path[:0] = {[p for p in sys.path if p]!r}\n"
+                        "from kvtide.cluster.haproxy_shim import main\nsys.exit(main())\n")
+    launcher.chmod(0o700)
+    if launcher_dir is None:
+        _launcher = launcher
+    return launcher
 
 
 REAL_BINARY_ENV = "KVTIDE_HAPROXY_BINARY"

@@ -14,10 +14,10 @@ import secrets
 import sys
 import tempfile
 import time
-from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from kvtide.cluster.haproxy_shim import shim_path
 from kvtide.cluster.nodes import LocalNodes, remove_temp_dirs, start_nodes
 from kvtide.cluster.startup import FAILURE_PREFIXES, StartupWatch
 from kvtide.config import KvtideConfig
@@ -66,7 +66,7 @@ def internal_env() -> dict[str, str]:
     The secret is made once per process, 32 random bytes in a file only its owner reads, unless the
     environment names one already (KVTIDE_INTERNAL_SECRET_FILE)."""
     global _secret_file
-    env = {"RAY_SERVE_HAPROXY_BINARY_PATH": str(Path(sys.executable).with_name("kvtide-haproxy"))}
+    env = {"RAY_SERVE_HAPROXY_BINARY_PATH": str(shim_path())}
     if os.environ.get(SECRET_FILE_ENV):
         return env
     if _secret_file is None:

@@ -570,16 +570,20 @@ def test_soak_2000_mixed_requests_no_errors_kv_drains_and_rss_is_flat(cluster, c
     # cache. (2) A full run of the same mix (other prompts): the model runner's memory
     # keeps rising through the first thousands of requests of new shapes (see
     # benchmarks/results/reliability.md).
+    # The long prompts go two per engine at a time: all at once, the last of them wait for every
+    # other prefill, past CLIENT_TIMEOUT_S on a slow CPU (the pages get written either way).
     warm_rng = random.Random(11)
     cache_tokens = len(pids["Engine"]) * _kv_cache_tokens_per_engine(cluster_config)
     num_warm = math.ceil(1.5 * cache_tokens / WARM_PROMPT_TOKENS)
-    warm = [("/v1/completions", {"model": cluster.model_name, "max_tokens": 1, "stream": False,
+    fill = [("/v1/completions", {"model": cluster.model_name, "max_tokens": 1, "stream": False,
                                  "prompt": [warm_rng.randrange(100, 7900) for _ in range(WARM_PROMPT_TOKENS)]})
             for _ in range(num_warm)]
-    warm += _soak_cases(cluster.model_name, seed=8, n=SOAK_REQUESTS)
+    mixed = _soak_cases(cluster.model_name, seed=8, n=SOAK_REQUESTS)
+    with ThreadPoolExecutor(2 * len(pids["Engine"])) as pool:
+        warm_outcomes = Counter(pool.map(run, fill, timeout=1800))
     with ThreadPoolExecutor(64) as pool:
-        warm_outcomes = Counter(pool.map(run, warm, timeout=1800))
-    assert warm_outcomes == Counter({"ok": len(warm)}), warm_outcomes
+        warm_outcomes += Counter(pool.map(run, mixed, timeout=1800))
+    assert warm_outcomes == Counter({"ok": num_warm + len(mixed)}), warm_outcomes
     finished[0] = 0
     started = time.monotonic()
     with ThreadPoolExecutor(65) as pool:
@@ -602,7 +606,7 @@ def test_soak_2000_mixed_requests_no_errors_kv_drains_and_rss_is_flat(cluster, c
         a, b = statistics.mean(s[key] for s in first if key in s), statistics.mean(s[key] for s in last if key in s)
         growth[key] = (a, b, (b - a) / a)
     print(f"\nsoak: {n} requests in {elapsed_s:.0f} s ({n / elapsed_s:.1f} req/s) at concurrency 64: {dict(outcomes)}; "
-          f"warm-up {len(warm)} requests ({num_warm} x {WARM_PROMPT_TOKENS} tokens for {cache_tokens} KV tokens); "
+          f"warm-up {num_warm + len(mixed)} requests ({num_warm} x {WARM_PROMPT_TOKENS} tokens for {cache_tokens} KV tokens); "
           f"{len(samples)} RSS samples ({len(first)} first quarter, {len(last)} last)\n"
           + "\n".join(f"  RSS {key}: {a:.0f} -> {b:.0f} MiB ({g:+.2%})" for key, (a, b, g) in growth.items()))
     assert outcomes == Counter({"ok": n}), outcomes

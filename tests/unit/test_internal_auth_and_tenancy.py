@@ -384,6 +384,23 @@ def test_the_shim_runs_rays_haproxy_not_itself(monkeypatch):
     assert binary != "/usr/bin/true" and binary.endswith("haproxy")
 
 
+def test_without_a_console_script_ray_gets_a_private_launcher_that_runs_the_shim(tmp_path, monkeypatch):
+    """kvtide on PYTHONPATH (no console script beside Python): the HAProxy path is a 0700 launcher running main."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-scripts-here" / "python3"))
+    launcher_dir = tmp_path / "launcher"
+    launcher_dir.mkdir(mode=0o700)
+    launcher = haproxy_shim.shim_path(launcher_dir)
+    monkeypatch.undo()
+    assert launcher.parent == launcher_dir and (launcher.stat().st_mode & 0o777) == 0o700
+    text = launcher.read_text().replace(str(tmp_path / "no-scripts-here" / "python3"), sys.executable)
+    launcher.write_text(text)  # the interpreter this test runs under stands in for the missing one
+    done = subprocess.run([str(launcher), "-db"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "no '-f <config>'" in done.stderr, done.stderr
+
+
 def test_a_tenants_bucket_refills_at_its_rate_and_tenants_have_their_own():
     """TenantRateLimiter: burst requests at once, then one per 1/rate seconds; Retry-After in whole seconds."""
     from kvtide.deployments.frontend.tenant_limits import TenantRateLimiter
