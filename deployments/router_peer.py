@@ -5,12 +5,18 @@
         → block hashes → engine handle.choose_replica(RoutingKey, _reserve=False)
           (runs the engine deployment's request router: kvtide's prefix_aware, or a baseline)
     ◄── {"replica_id": "SERVE_REPLICA::<app>#Engine#<id>",
-         "request_headers": {prompts.ROUTED_TOKENS_HEADER: <the token ids>,
+         "request_headers": {vllm_layer.PATH_HEADER: "kvtide" | "vllm_layer",
+                             prompts.ROUTED_TOKENS_HEADER: <the token ids>,
                              routing_key.ROUTED_HASHES_HEADER: <their block hashes>,
                              routing.trust.PREDICTED_CACHED_TOKENS_HEADER:
                                  <cached tokens>;<replica>;<exclusive tokens>,
                              internal_auth.ROUTE_SIGNATURE_HEADER: <HMAC of them and the body>}};
         HAProxy forwards the original request, with those headers, to that replica's own HTTP port
+
+The first header is the one decision of the path that serves the request (vllm_layer.request_path):
+kvtide's own, which takes the token ids and hashes (the replica tokenizes nothing), or vLLM's
+serving layer (tools, Responses, Messages, ...), which renders the prompt itself: such a request
+carries no token or hash headers, only the path and the prediction.
 
 A body continuing a stored response (`previous_response_id`, serving.responses_store) is pinned
 to the replica holding it (routing.response_pins): the RoutingKey carries that replica.
@@ -61,6 +67,8 @@ from kvtide.deployments.frontend.auth import authorize, load_api_keys
 from kvtide.deployments.internal_auth import CONSULT_HEADER, consult_allowed, load_internal_secret, sign_route
 from kvtide.deployments.tenancy import tenant_tag
 from kvtide.deployments.routing.trust import prediction_header
+from kvtide.deployments.engine.request_book import KVTIDE_PATH, VLLM_LAYER_PATH
+from kvtide.deployments.frontend.vllm_layer import PATH_HEADER, answers_every_request
 
 logger = replica_logger("router_peer")
 # Tokenize calls a thread may have waiting or running before a new request is routed by load instead:
@@ -88,6 +96,7 @@ class RouterPeer:
         self.buffer_bytes = config.http.router_buffer_bytes
         tokenizer = load_tokenizer(config)
         self.prompts = PromptBuilder(config, tokenizer)
+        self.vllm_answers_all = answers_every_request(config.serving)
         self.prompt_pool = PromptPool.for_config(config, tokenizer)  # None: tokenize on the event loop
         self.routing = PromptRouting(config, tokenizer, HotPrefixTracker(self.block_size))
 
@@ -101,7 +110,9 @@ class RouterPeer:
         if not decision.ok:  # the replica answers the 401; nothing here parses, renders or books for it
             return {"replica_id": await self._pick(RoutingKey()), "request_headers": {}}
         tag = tenant_tag(decision.tenant)
-        prompt, hashes = await self._prompt_and_hashes(body, tag)
+        prompt, hashes, path = await self._prompt_and_hashes(body, tag)
+        if path is not None and self.vllm_answers_all:
+            path = VLLM_LAYER_PATH
         token_ids = prompt.token_ids if prompt is not None else []
         if prompt is not None:
             self.routing.observe(token_ids, hashes, prompt.request.cache_salt)
@@ -114,7 +125,7 @@ class RouterPeer:
         # and hashing, and learns what the router expected it to have cached.
         room_bytes = self.buffer_bytes - len(body) - HEADER_HEADROOM_BYTES
         try:
-            headers = sign_route(self.secret, body, route_headers(self.prompts, token_ids, key, room_bytes))
+            headers = sign_route(self.secret, body, route_headers(self.prompts, token_ids, key, room_bytes, path))
         except Exception as exc:  # a bug on some input costs the replica a tokenization, never the request
             logger.warning("routing headers failed (%s); the replica tokenizes the request itself", type(exc).__name__)
             headers = {}
@@ -124,21 +135,21 @@ class RouterPeer:
         async with self.engine.choose_replica(key, _reserve=False) as selection:
             return selection._replica.replica_id.to_full_id_str()
 
-    async def _prompt_and_hashes(self, body: bytes, tag: str | None) -> tuple[Prompt | None, tuple]:
-        """The body's prompt and block hashes (salted for the tenant `tag`), or (None, ()) to route by load: an
-        invalid body, tokenize threads all backlogged, or tokenizing past its time bound."""
+    async def _prompt_and_hashes(self, body: bytes, tag: str | None) -> tuple[Prompt | None, tuple, str | None]:
+        """The body's prompt, block hashes (salted for the tenant `tag`) and path (routing_prompt_and_hashes), or
+        (None, (), None) to route by load: tokenize threads all backlogged, or tokenizing past its time bound."""
         tokenize = functools.partial(routing_prompt_and_hashes, body=body, block_size=self.block_size,
                                      tenant=tag, isolate_caches=self.isolate_caches)
         if self.prompt_pool is None:
             return tokenize(self.prompts)
         if self.prompt_pool.saturated(TOKENIZE_BACKLOG_PER_THREAD):
             self._by_load("every tokenize thread has a backlog")
-            return None, ()
+            return None, (), None
         try:
             return await self.prompt_pool.run(tokenize, self.tokenize_timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
             self._by_load(f"tokenizing took over {self.tokenize_timeout_s} s")
-            return None, ()
+            return None, (), None
 
     def _by_load(self, why: str) -> None:
         """Count a request routed by load for want of tokenizing; logged at most once per LOG_EVERY_S (a flood
@@ -155,13 +166,14 @@ class RouterPeer:
 
 
 def routing_prompt_and_hashes(prompts: PromptBuilder, body: bytes, block_size: int, tenant: str | None = None,
-                              isolate_caches: bool = True) -> tuple[Prompt | None, tuple]:
-    """A body's prompt (None when invalid) and its block hashes, salted by its cache_salt (with the tag of the
-    tenant `tenant` mixed in, as the replica mixes it, tenancy.py)."""
-    prompt = prompts.routing_prompt(body, tenant, isolate_caches)
+                              isolate_caches: bool = True) -> tuple[Prompt | None, tuple, str | None]:
+    """A body's prompt (None when it does not render), its block hashes, salted by its cache_salt (with the tag
+    of the tenant `tenant` mixed in, as the replica mixes it, tenancy.py), and the path serving it
+    (PromptBuilder.routing_view)."""
+    prompt, path = prompts.routing_view(body, tenant, isolate_caches)
     if prompt is None:
-        return None, ()
-    return prompt, prompt_block_hashes(prompt.token_ids, block_size, prompt.request.cache_salt)
+        return None, (), path
+    return prompt, prompt_block_hashes(prompt.token_ids, block_size, prompt.request.cache_salt), path
 
 
 ROUTE_PATH = "/internal/route"
@@ -229,15 +241,16 @@ def route_app(route: Callable[[bytes, str | None, str | None], Awaitable[dict[st
 HEADER_HEADROOM_BYTES = 16 << 10
 
 
-def route_headers(prompts: PromptBuilder, token_ids: list[int], key: RoutingKey, room_bytes: int) -> dict[str, str]:
-    """The headers HAProxy sets on the forwarded request: the token ids and their block hashes, and the
-    router's prediction if any.
+def route_headers(prompts: PromptBuilder, token_ids: list[int], key: RoutingKey, room_bytes: int,
+                  path: str | None = KVTIDE_PATH) -> dict[str, str]:
+    """The headers HAProxy sets on the forwarded request: the path that serves it (None: not decided, an invalid
+    body), the token ids and their block hashes where that is kvtide's own path, and the router's prediction if any.
 
     The token ids and hashes only if they fit in `room_bytes`, what HAProxy's buffer has left
     beside the body: a header that does not fit fails HAProxy's rewrite, and the request with
     it (the replica tokenizes and hashes when the headers are absent).
     """
-    tokens = prompts.routed_tokens_header(token_ids, key.block_hashes)
+    tokens = prompts.routed_tokens_header(token_ids, key.block_hashes) if path == KVTIDE_PATH else {}
     if sum(len(k) + len(v) + 4 for k, v in tokens.items()) > room_bytes:
         tokens = {}
-    return {**tokens, **prediction_header(key.decision)}
+    return {**({PATH_HEADER: path} if path else {}), **tokens, **prediction_header(key.decision)}

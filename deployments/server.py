@@ -55,6 +55,7 @@ class EngineServer(EngineReplica):
         self.frontend.replica_id = self.replica_id
         self.frontend.engine_asleep = lambda: self.role.refuses_requests
         self.frontend.engine_dead = self.engine_dead  # vLLM's 500 on a dead engine becomes the retryable 503
+        self.observe_finished = self.frontend.observe_finished  # index trust for vLLM's layer's requests too
         # An abort reaches every replica of this deployment, this one included.
         context = serve.get_replica_context()
         fleet = serve.get_deployment_handle(context.deployment, app_name=context.app_name)

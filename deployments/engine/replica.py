@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from ray import serve
 from ray.util import metrics
@@ -37,8 +37,9 @@ from kvtide.deployments.engine.kv_cache_tracker import KvCacheTracker
 from kvtide.deployments.engine.kv_events import KvEventListener, new_ipc_endpoint
 from kvtide.deployments.messages import GenerateDelta, GenerateRequest, VllmLayerCall
 from kvtide.deployments.names import INGRESS_DEPLOYMENT
-from kvtide.deployments.routing.trust import exclusive_hit_tokens, read_prediction
+from kvtide.deployments.routing.trust import read_prediction
 from kvtide.deployments.engine.pending_prefill import PendingPrefill
+from kvtide.deployments.engine.request_book import KVTIDE_PATH, BookedEngine, Finished, RequestBook
 from kvtide.deployments.engine.standby import ROLE_POLL_S, EngineRole
 from kvtide.deployments.engine.start_phases import WAKE_PHASE, describe, start_phases
 from kvtide.deployments.engine.vllm_openai import build_vllm_openai_app, system_fingerprint
@@ -125,6 +126,22 @@ class EngineReplica:
         logger.info("starting vLLM engine: %s (bind=%s)", kwargs, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
         self.load = EngineLoad()
         self.pending_prefill = PendingPrefill()
+        # Every generation booked alike, kvtide's path and vLLM's layer (request_book.py).
+        self.booked_requests = metrics.Counter(
+            "kvtide_engine_booked_requests", "Generation requests this engine replica booked for the routers "
+            "(pending prefill, hits), by the path that made them: kvtide's own, or vLLM's serving layer.",
+            tag_keys=("model", "path"))
+        self.booked_prefill_tokens = metrics.Counter(
+            "kvtide_engine_booked_prefill_tokens", "Uncached prompt tokens booked as pending prefill, by path.",
+            tag_keys=("model", "path"))
+        self.exclusive_hits = metrics.Counter(
+            "kvtide_engine_exclusive_hit_tokens", "Prompt tokens served from cached blocks no other replica held "
+            "when the request was routed (this cache's worth to a cache-aware scale-down), by path.",
+            tag_keys=("model", "path"))
+        # Direct mode: the frontend in this replica counts index trust for vLLM's layer's requests (server.py).
+        self.observe_finished: Callable[[Finished], None] = lambda finished: None
+        self.book = RequestBook(self.replica_id, self.pending_prefill, self._uncached_tokens, self._on_booked,
+                                self._on_finished)
         self.prometheus_loggers: list = []
         if isinstance(kwargs.get("structured_outputs_config"), dict):  # the config's plain form
             from vllm.config import StructuredOutputsConfig
@@ -139,7 +156,7 @@ class EngineReplica:
         self.sampling_defaults = self.engine.vllm_config.model_config.get_diff_sampling_param()
         # vLLM's own OpenAI app on this engine, for the requests kvtide's path does not implement
         # (the frontend hands them over in-process in direct mode, over `vllm_openai` in ingress mode).
-        self.vllm_app = await build_vllm_openai_app(self.config, self.engine)
+        self.vllm_app = await build_vllm_openai_app(self.config, BookedEngine(self.engine, self.book))
         self.system_fingerprint = system_fingerprint(self.vllm_app)
         if self.config.serving.responses_store:  # each stored response's id names this replica
             self.vllm_app = tagging_app(self.vllm_app, self.replica_id)
@@ -158,9 +175,8 @@ class EngineReplica:
         self._in_flight = 0  # generate and vLLM-layer calls running here (a move to standby drains them)
         autoscaling = self.config.autoscaling
         self._recent_hits = RecentTokens(autoscaling.cache_value_window_s)
-        # Prompt tokens served from blocks no other replica held when routed (routing.trust):
-        # with _recent_hits, this cache's worth to a cache-aware scale-down.
-        self.exclusive_hit_tokens_total = 0
+        # Prompt tokens served from blocks no other replica held when routed (routing.trust, booked
+        # by self.book): with _recent_hits, this cache's worth to a cache-aware scale-down.
         self._recent_exclusive_hits = RecentTokens(autoscaling.cache_value_window_s)
         # Standby engines and cache-aware scale-down: the autoscaler assigns this replica a role.
         self.role = EngineRole(self.engine, can_sleep=bool(kwargs.get("enable_sleep_mode")),
@@ -283,19 +299,15 @@ class EngineReplica:
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt  # vLLM keeps this salt's cached blocks apart
-        self.pending_prefill.start(request.request_id, self._uncached_tokens(request), time.monotonic())
-        outputs = self.engine.generate(prompt, params, request_id=request.request_id)
+        outputs = self.book.track(self.engine.generate(prompt, params, request_id=request.request_id),
+                                  request.request_id, KVTIDE_PATH, request.prompt_token_ids, request.block_hashes,
+                                  request.cache_salt, read_prediction(request.decision))
         self._in_flight += 1
         try:
             async for out in outputs:
                 completion = out.outputs[0]
                 first = num_output_tokens == 0 and len(completion.token_ids) > 0
-                if first:
-                    self.pending_prefill.done(request.request_id, prefilled=True, now_s=time.monotonic())
                 num_output_tokens += len(completion.token_ids)
-                if out.finished:
-                    self.exclusive_hit_tokens_total += exclusive_hit_tokens(
-                        read_prediction(request.decision), self.replica_id, out.num_cached_tokens or 0)
                 yield GenerateDelta(
                     text=completion.text,
                     num_output_tokens=num_output_tokens,
@@ -316,7 +328,6 @@ class EngineReplica:
             raise
         finally:
             self._in_flight -= 1
-            self.pending_prefill.done(request.request_id, now_s=time.monotonic())
 
     async def vllm_openai(self, call: VllmLayerCall) -> AsyncIterator[dict[str, Any]]:
         """Ingress mode: one request answered by vLLM's own serving layer here, streamed back as the
@@ -367,14 +378,25 @@ class EngineReplica:
                 body += message.get("body", b"")
         return status, body
 
-    def _uncached_tokens(self, request: GenerateRequest) -> int:
-        """The prompt tokens this replica must still compute for `request` (its own block set's view)."""
+    def _uncached_tokens(self, token_ids: list[int], block_hashes: list[int] | None, cache_salt: str | None) -> int:
+        """The prompt tokens this replica must still compute for a prompt (its own block set's view; hashed from
+        the tokens where no block hashes came with it)."""
         cached_blocks = 0
         if self.kv_listener is not None:
-            cached_blocks = self.kv_listener.tracker.cached_prefix_blocks(
-                request.block_hashes, request.prompt_token_ids, request.cache_salt)
-        return PendingPrefill.uncached_tokens(len(request.prompt_token_ids), cached_blocks,
-                                              self.config.engine.block_size)
+            cached_blocks = self.kv_listener.tracker.cached_prefix_blocks(block_hashes or (), token_ids, cache_salt)
+        return PendingPrefill.uncached_tokens(len(token_ids), cached_blocks, self.config.engine.block_size)
+
+    def _on_booked(self, path: str, uncached_tokens: int) -> None:
+        tags = {"model": self.config.model_name, "path": path}
+        self.booked_requests.inc(1, tags)
+        if uncached_tokens:  # Ray counters refuse increments of 0
+            self.booked_prefill_tokens.inc(uncached_tokens, tags)
+
+    def _on_finished(self, finished: Finished) -> None:
+        if finished.exclusive_hit_tokens:
+            self.exclusive_hits.inc(finished.exclusive_hit_tokens, {"model": self.config.model_name,
+                                                                    "path": finished.path})
+        self.observe_finished(finished)
 
     async def ready(self) -> bool:
         """Cheap call a frontend uses for /ready: answered only by a running replica."""
@@ -408,7 +430,7 @@ class EngineReplica:
         load = self.load
         now_s = time.monotonic()
         self._recent_hits.observe(now_s, load.prefix_hit_tokens_total)
-        self._recent_exclusive_hits.observe(now_s, self.exclusive_hit_tokens_total)
+        self._recent_exclusive_hits.observe(now_s, self.book.exclusive_hit_tokens_total)
         return replica_autoscaling_stats(load.kv_usage_perc, load.num_waiting, load.num_running,
                                          load.num_preemptions_total, self._recent_hits.within(now_s),
                                          self._recent_exclusive_hits.within(now_s))

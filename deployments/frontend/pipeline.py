@@ -59,6 +59,7 @@ from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, Prompt
 from kvtide.deployments.tenancy import (request_tenant, scoped_body_bytes, scoped_headers, scoped_path,
                                                  tenant_tag, with_tenant_salt)
 from kvtide.deployments.internal_auth import verified_route_headers
+from kvtide.deployments.engine.request_book import PATHS, VLLM_LAYER_PATH, Finished, Routed
 from kvtide.deployments.routing.block_hash import BlockHash
 from kvtide.deployments.routing.trust import (
     PREDICTED_CACHED_TOKENS_HEADER,
@@ -70,13 +71,14 @@ from kvtide.deployments.routing.trust import (
 )
 from kvtide.deployments.routing.response_pins import response_owner
 from kvtide.deployments.frontend.sse import DONE, ChunkRenderer, error_event
-from kvtide.deployments.frontend.vllm_layer import (FIRST_TOKEN_MARKERS, VLLM_ONLY_ENDPOINTS, VllmLayerResponse,
-                                                    check_abort_body, fleet_answer, names_its_request_id,
-                                                    refuse_prompt_logprobs, vllm_layer_field)
+from kvtide.deployments.frontend.vllm_layer import (FIRST_TOKEN_MARKERS, PATH_HEADER, VLLM_ONLY_ENDPOINTS,
+                                                    VllmLayerResponse, answers_every_request, check_abort_body,
+                                                    fleet_answer, names_its_request_id, refuse_prompt_logprobs,
+                                                    request_path)
 
 logger = replica_logger("frontend")
 # The routing peer's headers a replica uses, under their signature (internal_auth.py).
-ROUTER_HEADERS = (ROUTED_TOKENS_HEADER, ROUTED_HASHES_HEADER, PREDICTED_CACHED_TOKENS_HEADER)
+ROUTER_HEADERS = (ROUTED_TOKENS_HEADER, ROUTED_HASHES_HEADER, PREDICTED_CACHED_TOKENS_HEADER, PATH_HEADER)
 
 
 def served_model(data: Any, default: str, adapters: frozenset[str]) -> str:
@@ -170,9 +172,7 @@ class OpenAIFrontend:
         self.engine_dead: Callable[[], bool] | None = None
         # Serving options that change every answer (a reasoning parser, another response role,
         # any serving.extra_args), or serving.fast_path off: vLLM's layer answers every request.
-        serving = config.serving
-        self.vllm_answers_all = bool(not serving.fast_path or serving.reasoning_parser
-                                     or serving.response_role != "assistant" or serving.extra_args)
+        self.vllm_answers_all = answers_every_request(config.serving)
 
     # ---- entry --------------------------------------------------------------------------
 
@@ -196,9 +196,10 @@ class OpenAIFrontend:
         try:
             body = await self.prompts.read_body(request)
             data = parse_json_body(body)
+            routed = verified_route_headers(self.router_secret, body, ROUTER_HEADERS, request.headers.get)
+            prediction = decode_prediction_header(routed.get(PREDICTED_CACHED_TOKENS_HEADER))
             vllm_only = endpoint in VLLM_ONLY_ENDPOINTS
-            if vllm_only or (self.vllm_app is not None and (
-                    self.vllm_answers_all or vllm_layer_field(data, endpoint, self.prompts.adapters))):
+            if vllm_only or (self.vllm_app is not None and self._path(routed, data, endpoint) == VLLM_LAYER_PATH):
                 if self.vllm_app is None:
                     raise unavailable_error(self.limits)  # no engine's layer yet: retry
                 if not vllm_only:  # fields kvtide's path takes too: the same input gets the same answer
@@ -208,14 +209,12 @@ class OpenAIFrontend:
                 return self.via_vllm(scoped_body_bytes(body, data, tag, self.tenant_cache_isolation), endpoint,
                                      ticket, deadline, model=served_model(data, self.model_name, self.prompts.adapters),
                                      arrived_s=timing.arrived_s, own_request_id=names_its_request_id(data),
-                                     path=get_route_path(request.scope), tag=tag)
-            routed = verified_route_headers(self.router_secret, body, ROUTER_HEADERS, request.headers.get)
+                                     path=get_route_path(request.scope), tag=tag, routed=Routed(prediction))
             routed_tokens = decode_token_ids(routed.get(ROUTED_TOKENS_HEADER))
             prompt = self.prompts.build(endpoint, with_tenant_salt(data, tag, self.tenant_cache_isolation),
                                         routed_tokens)
             response = await self._run(endpoint, prompt, deadline, ticket, timing,
-                                       request.headers.get(SESSION_HEADER),
-                                       decode_prediction_header(routed.get(PREDICTED_CACHED_TOKENS_HEADER)),
+                                       request.headers.get(SESSION_HEADER), prediction,
                                        decode_block_hashes(routed.get(ROUTED_HASHES_HEADER), len(prompt.token_ids),
                                                            self.block_size) if routed_tokens is not None else None)
             streaming = isinstance(response, StreamingResponse)
@@ -232,6 +231,12 @@ class OpenAIFrontend:
         finally:
             if not streaming:  # a stream's body releases the gate when it ends
                 ticket.release()
+
+    def _path(self, routed: dict[str, str], data: Any, endpoint: str) -> str:
+        """The path serving the request: the routing peer's decision where its signature holds, else made here
+        by the same function (vllm_layer.request_path)."""
+        path = routed.get(PATH_HEADER)
+        return path if path in PATHS else request_path(data, endpoint, self.prompts.adapters, self.vllm_answers_all)
 
     async def vllm_passthrough(self, request: Any, endpoint: str) -> Any:
         """A request of vLLM's that generates nothing (counting a message's tokens, a stored
@@ -277,7 +282,7 @@ class OpenAIFrontend:
     def via_vllm(self, body: bytes, endpoint: str, ticket: _Ticket | None = None,
                  deadline: Deadline | None = None, counted: bool = True, model: str | None = None,
                  arrived_s: float | None = None, own_request_id: bool = False, path: str = "",
-                 tag: str | None = None) -> VllmLayerResponse:
+                 tag: str | None = None, routed: Routed | None = None) -> VllmLayerResponse:
         """The request, body and all, answered by vLLM's own serving layer (vllm_layer.py).
 
         `counted`: a generation request, counted in the request metrics like kvtide's own, under
@@ -286,6 +291,7 @@ class OpenAIFrontend:
         `own_request_id`: the body names its request id (vllm_layer.names_its_request_id). `path`: the
         request's (scoped to its tenant), which may name a stored response another replica holds
         (`owner_vllm_app`). `tag`: the tenant's (tenancy.py), or None while keys are off; `body` is scoped already.
+        `routed`: what the router said about the request (its prediction), for the engine's books (request_book.py).
         """
         arrived_s = time.perf_counter() if arrived_s is None else arrived_s
         model = model or self.model_name
@@ -311,7 +317,7 @@ class OpenAIFrontend:
                                      timeout_error(self.limits, "finish"), on_done,
                                      {"x-kvtide-replica": self.replica_id} if self.replica_id else None,
                                      on_first_chunk, FIRST_TOKEN_MARKERS.get(endpoint), own_request_id,
-                                     tag=tag, path=path)
+                                     tag=tag, path=path, routed=routed)
         if app is self.vllm_app and self.engine_dead is not None:  # this replica's own engine
             response.engine_dead, response.unavailable = self.engine_dead, unavailable_error(self.limits)
         if ticket is not None:  # a response the server drops without calling it still frees its slot
@@ -526,8 +532,20 @@ class OpenAIFrontend:
     def _observe_prediction(self, tags: dict[str, str], prediction: Prediction | None, last: GenerateDelta | None,
                             usage: Usage) -> None:
         """Index trust: the router's predicted cached tokens against the engine's, for a finished request."""
-        if prediction is None or last is None:
+        if last is not None:
+            self._count_prediction(tags["model"], prediction, last.replica_id, usage.cached_tokens, usage.prompt_tokens)
+
+    def observe_finished(self, finished: Finished) -> None:
+        """Index trust for a request vLLM's layer in this replica served (direct mode: the engine's books call
+        this, request_book.py), as kvtide's own path counts its requests."""
+        if finished.path == VLLM_LAYER_PATH:
+            self._count_prediction(self.model_name, finished.prediction, self.replica_id, finished.num_cached_tokens,
+                                   finished.num_prompt_tokens)
+
+    def _count_prediction(self, model: str, prediction: Prediction | None, served_replica_id: str,
+                          cached_tokens: int, prompt_tokens: int) -> None:
+        if prediction is None:
             return
-        comparison = compare(prediction, last.replica_id, usage.cached_tokens, usage.prompt_tokens, self.block_size)
+        comparison = compare(prediction, served_replica_id, cached_tokens, prompt_tokens, self.block_size)
         if comparison is not None:  # None: another replica served it than the one predicted
-            self.metrics.on_prediction(tags["model"], comparison)
+            self.metrics.on_prediction(model, comparison)

@@ -43,7 +43,8 @@ from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, decode
 from kvtide.deployments.frontend.token_encoder import TokenEncoder
 from kvtide.deployments.frontend.unsupported import refuse_unhonoured
 from kvtide.deployments.frontend.api_bodies import body_endpoint, chat_view
-from kvtide.deployments.frontend.vllm_layer import VLLM_ONLY_ENDPOINTS, vllm_layer_field
+from kvtide.deployments.engine.request_book import VLLM_LAYER_PATH
+from kvtide.deployments.frontend.vllm_layer import request_path
 from kvtide.deployments.tenancy import with_tenant_salt
 
 # Fields kvtide's request models declare that vLLM's layer takes in shapes kvtide's own path does
@@ -214,22 +215,31 @@ class PromptBuilder:
         return headers
 
     def routing_prompt(self, body: bytes, tenant_tag: str | None = None, isolate_caches: bool = True) -> Prompt | None:
-        """Best-effort prompt of a raw body, for routing only: None when it is not a valid request.
+        """Best-effort prompt of a raw body, for routing only: None when it is not a valid request."""
+        return self.routing_view(body, tenant_tag, isolate_caches)[0]
+
+    def routing_view(self, body: bytes, tenant_tag: str | None = None,
+                     isolate_caches: bool = True) -> tuple[Prompt | None, str | None]:
+        """A raw body's prompt for routing (None when it does not render: not a valid request, or one vLLM's layer
+        will refuse) and the path that will serve it (vllm_layer.request_path without a serving option that makes
+        vLLM's layer answer everything; None when the body is no JSON object with a known shape).
 
         The replica that serves the request validates it again and answers any error itself.
         `tenant_tag`: the requester's tenant (tenancy.py), mixed into the cache salt as the replica mixes it.
         """
+        path = None
         try:
             data = with_tenant_salt(parse_json_body(body), tenant_tag, isolate_caches)
             endpoint = body_endpoint(data)
-            if endpoint in VLLM_ONLY_ENDPOINTS or vllm_layer_field(data, endpoint, self.adapters) is not None:
-                return self._vllm_layer_routing_prompt(endpoint, data)
-            return self.build(endpoint, data)
+            path = request_path(data, endpoint, self.adapters, answers_all=False)
+            if path == VLLM_LAYER_PATH:
+                return self._vllm_layer_routing_prompt(endpoint, data), path
+            return self.build(endpoint, data), path
         except ApiError:
-            return None
+            return None, path
         except Exception as exc:  # a bug on some input must cost routing quality, never the request
             logger.warning("routing prompt failed (%s); routed by load alone", type(exc).__name__)
-            return None
+            return None, None
 
     def check_common_fields(self, data: Any, endpoint: str) -> None:
         """400 naming the first field kvtide's own path also takes (sampling, limits, stream) whose value

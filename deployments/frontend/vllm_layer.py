@@ -34,6 +34,7 @@ from kvtide.deployments.routing.response_pins import response_owner
 from kvtide.deployments.frontend.unsupported import NOT_HONOURED, first_unhonoured
 from kvtide.deployments.logs import replica_logger
 from kvtide.deployments.messages import VllmLayerCall
+from kvtide.deployments.engine.request_book import KVTIDE_PATH, ROUTED, VLLM_LAYER_PATH, Routed
 
 logger = replica_logger("vllm_layer")
 
@@ -98,6 +99,27 @@ def vllm_layer_field(data: Any, endpoint: str, adapters: frozenset[str] = frozen
 # every such request whole.
 VLLM_ONLY_ENDPOINTS = frozenset({"responses", "messages", "chat_batch", "generate", "generative_scoring",
                                  "structured_decisions"})
+# The routing peer's decision of the path a request takes (request_path), in the router-owned namespace
+# HAProxy strips from clients; a replica trusts it only under the peer's signature for the body.
+PATH_HEADER = "x-serve-router-kvtide-path"
+
+
+def answers_every_request(serving: Any) -> bool:
+    """Whether vLLM's layer answers every generation request: a serving option that changes every answer (a
+    reasoning parser, another response role, any serving.extra_args), or serving.fast_path off."""
+    return bool(not serving.fast_path or serving.reasoning_parser or serving.response_role != "assistant"
+                or serving.extra_args)
+
+
+def request_path(data: Any, endpoint: str, adapters: frozenset[str], answers_all: bool) -> str:
+    """The path that serves a request: VLLM_LAYER_PATH where vLLM's layer must answer it (an endpoint only it
+    serves, `answers_all`, or a field only it answers: vllm_layer_field), else KVTIDE_PATH. The one decision: the
+    routing peer makes it and says so (PATH_HEADER); a replica without a trusted header makes it the same way."""
+    if endpoint in VLLM_ONLY_ENDPOINTS or answers_all or vllm_layer_field(data, endpoint, adapters) is not None:
+        return VLLM_LAYER_PATH
+    return KVTIDE_PATH
+
+
 # Where a stream opens with events sent before any token (response.created, message_start),
 # the bytes of the first event that carries generated output: the time to first token is
 # taken there. Any Responses delta (text, reasoning, a tool call's arguments) is output.
@@ -199,8 +221,12 @@ class VllmLayerResponse(Response):
     def __init__(self, app: Any, body: bytes, timeout_s: float | None, timeout_error: ApiError,
                  on_done: Callable[[int], None], extra_headers: dict[str, str] | None = None,
                  on_first_chunk: Callable[[], None] = lambda: None, first_token_marker: bytes | None = None,
-                 drop_request_id_header: bool = False, tag: str | None = None, path: str = ""):
+                 drop_request_id_header: bool = False, tag: str | None = None, path: str = "",
+                 routed: Routed | None = None):
         super().__init__()
+        # What the router said about this request: the engine calls vLLM's app makes for it read it
+        # (engine/request_book.py books them as kvtide's own path books its requests).
+        self.routed = routed
         # The tenant's tag (tenancy.py) and the request's path scoped to it: vLLM's layer sees ids and
         # stored-response paths as the tenant's own, and the tag header only the frontend sets.
         self.tag, self.path = tag, path
@@ -254,6 +280,7 @@ class VllmLayerResponse(Response):
         if self.path and self.path != get_route_path(scope):
             scope["path"] = scope.get("root_path", "") + self.path
             scope["raw_path"] = scope["path"].encode("utf-8")
+        routed = ROUTED.set(self.routed)
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self.app(scope, replay, tracked)
@@ -265,6 +292,7 @@ class VllmLayerResponse(Response):
             status = 499
             raise
         finally:
+            ROUTED.reset(routed)
             self.on_done(status)
 
     async def _timed_out(self, started: dict[str, Any], send: Callable[..., Any]) -> None:

@@ -140,6 +140,53 @@ def test_messages_responses_and_tokens_in_turns_sharing_a_system_prompt_reach_it
                 assert cached >= 1024, f"a {api} turn prefilled system {name} (~1,800 tokens) cold: {served}"
 
 
+AGENT_TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
+                                                  "parameters": {"type": "object",
+                                                                 "properties": {"word": {"type": "string"}}}}}]
+
+
+def _agent_turn(http, model: str, api: str, system: str, question: str) -> str:
+    """One turn answered by vLLM's layer in the replica (a Messages, Responses, or chat-with-tools request); its replica."""
+    if api == "chat_tools":
+        resp = http.post("/v1/chat/completions", json={"model": model, "max_tokens": 2, "tools": AGENT_TOOLS,
+                                                       "tool_choice": "none", **_chat_with_system(system, question)})
+        assert resp.status_code == 200, resp.text
+        return resp.headers["x-kvtide-replica"]
+    return _ask_agent(http, model, api, system, question)[0]
+
+
+def _booked(metrics_url: str) -> dict[str, float]:
+    return {"requests": metric_sum(metrics_url, "ray_kvtide_engine_booked_requests_total", path="vllm_layer"),
+            "prefill_tokens": metric_sum(metrics_url, "ray_kvtide_engine_booked_prefill_tokens_total",
+                                         path="vllm_layer"),
+            "exclusive_hits": metric_sum(metrics_url, "ray_kvtide_engine_exclusive_hit_tokens_total",
+                                         path="vllm_layer"),
+            "true_hits": metric_sum(metrics_url, "ray_kvtide_router_predictions_total", outcome="true_hit")}
+
+
+def test_agent_requests_answered_by_vllms_layer_are_booked_as_plain_chat_is(http, cluster):
+    """Messages, Responses and chat-with-tools turns sharing a new system prompt (vLLM's layer answers each) move
+    the engine's books as kvtide's path does: booked requests and pending-prefill tokens by path, the exclusive
+    hits of the cache's worth, and the router's predictions checked against the engine (true hits)."""
+    wait_for(lambda: _idle(cluster.metrics_url, cluster.model_name), timeout_s=120, what="the engines to be idle")
+    before = _booked(cluster.metrics_url)
+    system = _prefix(41)  # ~1,800 tokens no replica holds yet
+    apis = ["messages", "responses", "chat_tools"] * 2
+    replicas = {_agent_turn(http, cluster.model_name, api, system, f"turn {i}") for i, api in enumerate(apis)}
+    assert len(replicas) == 1, replicas  # every turn where the system prompt's blocks are
+
+    def moved() -> dict[str, float] | None:
+        now = _booked(cluster.metrics_url)
+        delta = {key: now[key] - before[key] for key in now}
+        return delta if delta["requests"] == len(apis) and delta["exclusive_hits"] > 0 else None
+
+    delta = wait_for(moved, timeout_s=30, interval_s=1.0, what="the vLLM-layer turns in the engine's books")
+    # The first turn prefilled the system prompt cold; later ones booked only their uncached tail.
+    assert delta["prefill_tokens"] >= 1024, delta
+    # Turns after the first were predicted to hit the replica holding the prompt, and did.
+    assert delta["true_hits"] >= len(apis) - 1, delta
+
+
 def test_salted_tenants_never_share_cached_blocks_and_each_keeps_its_affinity(http, cluster):
     """cache_salt end to end: the same prompt under another salt (or none) is a cold prefill; each tenant hits its own cache."""
     # Affinity on an idle fleet: the load guard moves a request off a busy holder by design.

@@ -202,6 +202,8 @@ class _NoPrompts:
     def routing_prompt(self, *args, **kwargs):
         raise AssertionError("the peer tokenized a request")
 
+    routing_view = routing_prompt
+
     def routed_tokens_header(self, *args, **kwargs):
         raise AssertionError("the peer built routing headers")
 
@@ -214,7 +216,8 @@ def _peer(prompts, pool=None, keys=("team-a sk-a",), timeout_s=2.0):
     peer.__dict__.update(prompts=prompts, prompt_pool=pool, block_size=CONFIG.engine.block_size,
                          buffer_bytes=CONFIG.http.router_buffer_bytes, secret=SECRET, api_keys=ApiKeys(keys),
                          routing=PromptRouting(CONFIG, FakeTokenizer(), HotPrefixTracker(CONFIG.engine.block_size)),
-                         engine=_Picks(), isolate_caches=True, tokenize_timeout_s=timeout_s)
+                         engine=_Picks(), isolate_caches=True, tokenize_timeout_s=timeout_s,
+                         vllm_answers_all=False)
     return peer
 
 
@@ -249,9 +252,9 @@ def test_a_saturated_or_slow_tokenizer_routes_by_load_instead_of_queueing():
     release = threading.Event()
 
     class Slow(PromptBuilder):
-        def routing_prompt(self, *args, **kwargs):
+        def routing_view(self, *args, **kwargs):
             release.wait(30)
-            return None
+            return None, None
 
     pool = PromptPool([Slow(CONFIG, FakeTokenizer())])
     peer = _peer(PromptBuilder(CONFIG, FakeTokenizer()), pool=pool, timeout_s=0.05)

@@ -31,6 +31,8 @@ from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, Prompt
 from kvtide.deployments.routing.ray_router import PrefixAwareRouter
 from kvtide.deployments.router_peer import HEADER_HEADROOM_BYTES, RouterPeer, route_app, route_headers
 from kvtide.deployments.routing.block_hash import block_hashes
+from kvtide.deployments.engine.request_book import KVTIDE_PATH, VLLM_LAYER_PATH
+from kvtide.deployments.frontend.vllm_layer import PATH_HEADER
 from kvtide.deployments.routing.snapshot import CacheDigest
 from kvtide.deployments.routing.trust import (
     PREDICTED_CACHED_TOKENS_HEADER,
@@ -75,7 +77,7 @@ def _stand_in_peer(prompts, router, replicas, *, pool=None, buffer_bytes=CONFIG.
     peer.__dict__.update(prompts=prompts, prompt_pool=pool, block_size=BS, buffer_bytes=buffer_bytes,
                          routing=PromptRouting(CONFIG, prompts.tokenizer, HotPrefixTracker(BS)),
                          engine=RouterHandle(router, replicas), secret=SECRET, api_keys=ApiKeys(keys),
-                         isolate_caches=True, tokenize_timeout_s=tokenize_timeout_s)
+                         isolate_caches=True, tokenize_timeout_s=tokenize_timeout_s, vllm_answers_all=False)
     return peer
 
 
@@ -110,8 +112,9 @@ def test_the_peer_answers_with_the_routers_prediction_for_its_pick(threads):
     answer = asyncio.run(scenario())
     assert answer["replica_id"].endswith("#b")
     headers = answer["request_headers"]
-    assert set(headers) == {ROUTED_TOKENS_HEADER, ROUTED_HASHES_HEADER, PREDICTED_CACHED_TOKENS_HEADER,
+    assert set(headers) == {PATH_HEADER, ROUTED_TOKENS_HEADER, ROUTED_HASHES_HEADER, PREDICTED_CACHED_TOKENS_HEADER,
                             ROUTE_SIGNATURE_HEADER}
+    assert headers[PATH_HEADER] == KVTIDE_PATH
     assert decode_block_hashes(headers[ROUTED_HASHES_HEADER], len(token_ids), BS) == tuple(hashes)
     # "a" holds none of the prompt: all of b's cached tokens are b's alone.
     assert decode_prediction_header(headers[PREDICTED_CACHED_TOKENS_HEADER]) == Prediction("b", 2 * BS, 2 * BS)
@@ -121,7 +124,7 @@ def test_route_headers_add_the_prediction_only_when_the_router_wrote_one():
     """A baseline router writes nothing: the answer then carries the token ids alone."""
     prompts = PromptBuilder(CONFIG, FakeTokenizer())
     key = RoutingKey()
-    assert set(route_headers(prompts, [1, 2, 3], key, ROOM)) == {ROUTED_TOKENS_HEADER}
+    assert set(route_headers(prompts, [1, 2, 3], key, ROOM)) == {PATH_HEADER, ROUTED_TOKENS_HEADER}
     write_prediction(key.decision, "b", 0)
     headers = route_headers(prompts, [1, 2, 3], key, ROOM)
     assert decode_prediction_header(headers[PREDICTED_CACHED_TOKENS_HEADER]) == Prediction("b", 0)
@@ -139,8 +142,36 @@ def test_route_headers_leave_out_the_token_ids_where_haproxys_buffer_has_no_room
     write_prediction(key.decision, "b", 0)
     size = sum(len(k) + len(v) + 4 for k, v in prompts.routed_tokens_header(ids, key.block_hashes).items())
     assert set(route_headers(prompts, ids, key, size)) == {
-        ROUTED_TOKENS_HEADER, ROUTED_HASHES_HEADER, PREDICTED_CACHED_TOKENS_HEADER}
-    assert set(route_headers(prompts, ids, key, size - 1)) == {PREDICTED_CACHED_TOKENS_HEADER}
+        PATH_HEADER, ROUTED_TOKENS_HEADER, ROUTED_HASHES_HEADER, PREDICTED_CACHED_TOKENS_HEADER}
+    assert set(route_headers(prompts, ids, key, size - 1)) == {PATH_HEADER, PREDICTED_CACHED_TOKENS_HEADER}
+
+
+TOOLS_BODY = json.dumps({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "y" * 40}],
+                         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}).encode()
+
+
+@pytest.mark.parametrize("body, answers_all, path", [
+    (BODY, False, KVTIDE_PATH),
+    (TOOLS_BODY, False, VLLM_LAYER_PATH),  # tools: vLLM's layer renders and answers it
+    (BODY, True, VLLM_LAYER_PATH),         # a serving option that makes vLLM's layer answer every request
+])
+def test_the_peer_decides_the_path_and_sends_token_ids_only_where_that_path_reads_them(body, answers_all, path):
+    """route(): the path header says which path serves the request (the one decision, vllm_layer.request_path);
+    a request for vLLM's layer carries no token ids or hashes (it renders its own prompt), only the path and the
+    router's prediction, all under the signature."""
+    prompts = PromptBuilder(CONFIG, FakeTokenizer())
+
+    async def scenario():
+        router, replicas = _one_replica_router()
+        peer = _stand_in_peer(prompts, router, replicas)
+        peer.vllm_answers_all = answers_all
+        return await RouterPeer.route(peer, body)
+
+    headers = asyncio.run(scenario())["request_headers"]
+    assert headers[PATH_HEADER] == path and ROUTE_SIGNATURE_HEADER in headers
+    assert PREDICTED_CACHED_TOKENS_HEADER in headers
+    assert (ROUTED_TOKENS_HEADER in headers) == (path == KVTIDE_PATH)
+    assert (ROUTED_HASHES_HEADER in headers) == (path == KVTIDE_PATH)
 
 
 def test_the_peer_sends_no_token_ids_for_a_body_that_fills_haproxys_buffer():

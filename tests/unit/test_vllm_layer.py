@@ -213,10 +213,10 @@ def test_an_adapters_prompt_is_hashed_from_the_adapters_root_as_its_engine_repor
                            "lora": {"adapters": {"sql": "/adapters/sql"}}})
     prompts = PromptBuilder(config, FakeTokenizer())
     text = "SELECT name FROM users WHERE id = 1; -- a prompt of four blocks"
-    adapter, adapter_hashes = routing_prompt_and_hashes(prompts, json.dumps({"model": "sql", "prompt": text}).encode(),
-                                                        block_size)
-    base, base_hashes = routing_prompt_and_hashes(prompts, json.dumps({"model": "m", "prompt": text}).encode(),
-                                                  block_size)
+    adapter, adapter_hashes, _ = routing_prompt_and_hashes(
+        prompts, json.dumps({"model": "sql", "prompt": text}).encode(), block_size)
+    base, base_hashes, _ = routing_prompt_and_hashes(prompts, json.dumps({"model": "m", "prompt": text}).encode(),
+                                                     block_size)
     assert adapter.token_ids == base.token_ids and len(adapter_hashes) == 4
     assert set(adapter_hashes).isdisjoint(base_hashes)
     tracker = KvCacheTracker("r", epoch=1, block_size=block_size)
@@ -487,3 +487,37 @@ def test_ingress_vllm_call_failing_otherwise_is_an_openai_500_and_a_begun_answer
     with pytest.raises(RayActorError):
         _ingress_vllm_call(handle)
     assert len(handle.calls) == 1
+
+
+_TOOLS_CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+               "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+
+
+@pytest.mark.parametrize("data, endpoint, answers_all, path", [
+    ({"model": "m", "prompt": "hi"}, "completions", False, "kvtide"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "chat", False, "kvtide"),
+    (_TOOLS_CHAT, "chat", False, "vllm_layer"),                                # a field only vLLM's layer answers
+    ({"model": "m", "input": "hi"}, "responses", False, "vllm_layer"),       # an endpoint only it serves
+    ({"model": "m", "messages": []}, "messages", False, "vllm_layer"),
+    ({"model": "m", "prompt": "hi"}, "completions", True, "vllm_layer"),     # a serving option: it answers all
+])
+def test_one_function_decides_the_path_of_every_request(data, endpoint, answers_all, path):
+    """request_path: the decision the routing peer sends and a replica without a trusted header makes."""
+    from kvtide.deployments.frontend.vllm_layer import request_path
+
+    assert request_path(data, endpoint, frozenset(), answers_all) == path
+
+
+@pytest.mark.parametrize("routed, path", [
+    ({"x-serve-router-kvtide-path": "kvtide"}, "kvtide"),  # the peer's signed decision is the replica's
+    ({}, "vllm_layer"),                                     # no trusted header (unsigned ones never get here)
+    ({"x-serve-router-kvtide-path": "elsewhere"}, "vllm_layer"),  # not a path: decided here
+])
+def test_the_replica_takes_the_peers_signed_path_and_decides_itself_without_one(routed, path):
+    """OpenAIFrontend._path: the path header verified_route_headers let through wins; else request_path decides."""
+    from types import SimpleNamespace
+
+    from kvtide.deployments.frontend.pipeline import OpenAIFrontend
+
+    frontend = SimpleNamespace(prompts=SimpleNamespace(adapters=frozenset()), vllm_answers_all=False)
+    assert OpenAIFrontend._path(frontend, routed, _TOOLS_CHAT, "chat") == path
