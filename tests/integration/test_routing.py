@@ -187,6 +187,26 @@ def test_agent_requests_answered_by_vllms_layer_are_booked_as_plain_chat_is(http
     assert delta["true_hits"] >= len(apis) - 1, delta
 
 
+def test_the_agentic_workloads_sessions_run_whole_through_all_three_apis_each_on_one_replica(cluster):
+    """The benchmark's agentic sessions (benchmarks/agentic.py) against the real fleet: every turn of a chat-with-tools,
+    a Messages and a Responses session (tool calls and results resent, or previous_response_id) is answered, and each
+    session's follow-ups reach the replica holding its context."""
+    import asyncio
+
+    from kvtide.benchmarks.agentic import AgenticParams, build_agentic, run_sessions, turns_report
+
+    wait_for(lambda: _idle(cluster.metrics_url, cluster.model_name), timeout_s=120, what="the engines to be idle")
+    tool_sets, sessions = build_agentic(AgenticParams(num_sessions=3, num_tool_sets=1, tool_set_tokens=900,
+                                                      tools_per_set=3, min_turns=3, max_turns=3, output_tokens=4),
+                                        seed=2)
+    results = asyncio.run(run_sessions(cluster.base_url, cluster.model_name, tool_sets, sessions,
+                                       max_sessions_in_flight=3, request_timeout_s=120))
+    report = turns_report(results)
+    assert report["all"] == {**report["all"], "turns": 9, "errors": 0}, [r for r in results if not r.ok]
+    assert report["same_replica_share"] == 1.0, [(r.session_id, r.turn, r.replica) for r in results]
+    assert all(r.ttft_s is not None for r in results if r.api != "messages"), results
+
+
 def test_salted_tenants_never_share_cached_blocks_and_each_keeps_its_affinity(http, cluster):
     """cache_salt end to end: the same prompt under another salt (or none) is a cold prefill; each tenant hits its own cache."""
     # Affinity on an idle fleet: the load guard moves a request off a busy holder by design.
