@@ -25,17 +25,22 @@ workloads.oracle_hit_rate): a request's cached part is the longest run of leadin
 Responses turn's previous output counts as cached (the server computed it) once the turn before
 has been sent. The chat template's tokens are left out.
 
-Pure: builds sessions and request bodies; the runner (`run_sessions`) sends them.
+Builds sessions and request bodies (pure); `run_sessions` sends them; `kvtide bench agentic` runs
+passes at several levels of sessions in flight against a running server and writes results.json
+(provenance, the ceiling, per-API percentiles, the engine's prefix-cache counters) and report.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
+import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 import httpx
 
@@ -129,15 +134,25 @@ def _call_id(session: AgentSession, turn: int) -> str:
 
 
 def turn_body(model: str, tool_set: ToolSet, session: AgentSession, turn: int,
-              previous_response_id: str | None = None) -> tuple[str, dict[str, Any]]:
+              previous_response_id: str | None = None, resend_history: bool = False) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) of `session`'s turn `turn` (0-based). A Responses turn after the first needs the id of the
-    response to the turn before; chat and Messages resend the whole history."""
+    response to the turn before, unless `resend_history`: then it resends the instructions and every tool call and
+    result as input items, stores nothing, and needs no server-side store (bare vLLM behind round robin has none
+    shared). Chat and Messages always resend the whole history."""
     if not 0 <= turn < session.num_turns:
         raise ValueError(f"{session.session_id} has {session.num_turns} turns, not a turn {turn}")
     if session.api == "responses":
         body: dict[str, Any] = {"model": model, "max_output_tokens": session.output_tokens, "stream": True,
                                 "tools": [{"type": "function", **t["function"]} for t in tool_set.tools],
-                                "tool_choice": "none", "store": True, "temperature": 0}
+                                "tool_choice": "none", "store": not resend_history, "temperature": 0}
+        if resend_history:
+            items: list[dict[str, Any]] = [{"role": "user", "content": session.question}]
+            for t in range(turn):
+                call_id = _call_id(session, t)
+                items.append({"type": "function_call", "call_id": call_id, "name": TOOL_NAME,
+                              "arguments": json.dumps(session.calls[t])})
+                items.append({"type": "function_call_output", "call_id": call_id, "output": session.results[t]})
+            return "/v1/responses", {**body, "instructions": tool_set.system, "input": items}
         if turn == 0:
             return "/v1/responses", {**body, "instructions": tool_set.system, "input": session.question}
         if previous_response_id is None:
@@ -171,19 +186,26 @@ def turn_body(model: str, tool_set: ToolSet, session: AgentSession, turn: int,
     raise ValueError(f"unknown API {session.api!r}; choose one of {', '.join(APIS)}")
 
 
-def _segments(tool_set_index: int, tool_set: ToolSet, session: AgentSession, turn: int) -> list[tuple[str, int]]:
+def _stored(session: AgentSession, resend_history: bool) -> bool:
+    """Whether the server keeps this session's history (a Responses session chained by previous_response_id)."""
+    return session.api == "responses" and not resend_history
+
+
+def _segments(tool_set_index: int, tool_set: ToolSet, session: AgentSession, turn: int,
+              stored: bool) -> list[tuple[str, int]]:
     """The prompt of a turn as (key, words) segments in order: the tool set, the question, then per earlier turn
-    its output (the model's, for Responses; the tool call's otherwise) and the tool's result."""
+    its output (the model's, where the server keeps the history; the tool call's otherwise) and the tool's result."""
     set_words = len(tool_set.system.split()) + sum(len(t["function"]["description"].split()) for t in tool_set.tools)
     segments = [(f"set-{tool_set_index}", set_words), (f"{session.session_id}/q", len(session.question.split()))]
     for t in range(turn):
-        output_words = session.output_tokens if session.api == "responses" else len(json.dumps(session.calls[t]).split())
+        output_words = session.output_tokens if stored else len(json.dumps(session.calls[t]).split())
         segments.append((f"{session.session_id}/out{t}", output_words))
         segments.append((f"{session.session_id}/res{t}", len(session.results[t].split())))
     return segments
 
 
-def infinite_cache_hit_rate(tool_sets: Sequence[ToolSet], sessions: Sequence[AgentSession]) -> float | None:
+def infinite_cache_hit_rate(tool_sets: Sequence[ToolSet], sessions: Sequence[AgentSession],
+                            resend_history: bool = False) -> float | None:
     """The hit rate of one infinite cache shared by the fleet (module docstring), sessions' turns sent in turn order
     across sessions (every session's turn 0, then every turn 1, ...). None for no requests."""
     seen: set[tuple[str, ...]] = set()
@@ -192,11 +214,12 @@ def infinite_cache_hit_rate(tool_sets: Sequence[ToolSet], sessions: Sequence[Age
         for session in sessions:
             if turn >= session.num_turns:
                 continue
-            segments = _segments(session.tool_set, tool_sets[session.tool_set], session, turn)
+            stored = _stored(session, resend_history)
+            segments = _segments(session.tool_set, tool_sets[session.tool_set], session, turn, stored)
             keys = [tuple(key for key, _ in segments[: i + 1]) for i in range(len(segments))]
             cached = max((i + 1 for i, key in enumerate(keys[:-1]) if key in seen), default=0)
             words = [w for _, w in segments]
-            if session.api == "responses" and turn > 0:
+            if stored and turn > 0:
                 cached = len(segments) - 1  # the server holds the conversation so far; the new result is new
             hit += sum(words[:cached])
             total += sum(words)
@@ -279,16 +302,17 @@ async def _send_turn(client: httpx.AsyncClient, path: str, body: dict[str, Any],
 
 
 async def run_session(client: httpx.AsyncClient, model: str, tool_set: ToolSet, session: AgentSession,
-                      think_s: float = 0.0) -> list[TurnResult]:
+                      think_s: float = 0.0, resend_history: bool = False) -> list[TurnResult]:
     """Every turn of one session in order (a turn is sent when the one before has ended, after `think_s`); stops at
     the first failed turn (an agent cannot go on without its answer)."""
     results: list[TurnResult] = []
     previous_id = None
     for turn in range(session.num_turns):
-        path, body = turn_body(model, tool_set, session, turn, previous_id)
+        path, body = turn_body(model, tool_set, session, turn, previous_id, resend_history)
         stream, start, replica = await _send_turn(client, path, body, session.api, session.session_id)
         end = time.perf_counter()
-        error = stream.error or (None if session.api != "responses" or stream.response_id else "no response id")
+        error = stream.error or (None if not _stored(session, resend_history) or stream.response_id
+                                 else "no response id")
         results.append(TurnResult(session.session_id, session.api, turn, error is None,
                                   None if stream.first_s is None else stream.first_s - start, end - start,
                                   replica, stream.cached_tokens, error))
@@ -302,7 +326,7 @@ async def run_session(client: httpx.AsyncClient, model: str, tool_set: ToolSet, 
 
 async def run_sessions(base_url: str, model: str, tool_sets: Sequence[ToolSet], sessions: Sequence[AgentSession],
                        *, max_sessions_in_flight: int, request_timeout_s: float = 600.0,
-                       think_s: float = 0.0) -> list[TurnResult]:
+                       think_s: float = 0.0, resend_history: bool = False) -> list[TurnResult]:
     """All `sessions`, at most `max_sessions_in_flight` at once (each session's turns in order): every turn's result."""
     from kvtide.benchmarks.loadgen import client_limits
 
@@ -313,7 +337,8 @@ async def run_sessions(base_url: str, model: str, tool_sets: Sequence[ToolSet], 
                                  limits=client_limits(max_sessions_in_flight)) as client:
         async def one(session: AgentSession) -> list[TurnResult]:
             async with gate:
-                return await run_session(client, model, tool_sets[session.tool_set], session, think_s)
+                return await run_session(client, model, tool_sets[session.tool_set], session, think_s,
+                                         resend_history)
 
         per_session = await asyncio.gather(*(one(s) for s in sessions))
     return [result for results in per_session for result in results]
@@ -345,3 +370,266 @@ def turns_report(results: Sequence[TurnResult]) -> dict[str, Any]:
                 stays += before.replica == after.replica
     return {"all": stats(results), **{api: stats([r for r in results if r.api == api]) for api in APIS},
             "same_replica_share": stays / follow_ups if follow_ups else None}
+
+
+# ---- `kvtide bench agentic` -----------------------------------------------------------------------
+
+# What a level's summary reads from each repeat's entry, and which way is better.
+SUMMARY_METRICS: tuple[tuple[str, Any, bool], ...] = (
+    ("hit_rate_vs_infinite_cache", lambda e: e.get("hit_rate_vs_infinite_cache"), True),
+    ("engine_hit_rate", lambda e: (e.get("prefix_cache") or {}).get("hit_rate"), True),
+    ("ttft_p50_s", lambda e: e["report"]["all"]["ttft_p50_s"], False),
+    ("ttft_p90_s", lambda e: e["report"]["all"]["ttft_p90_s"], False),
+    ("e2e_p90_s", lambda e: e["report"]["all"]["e2e_p90_s"], False),
+    ("same_replica_share", lambda e: e["report"]["same_replica_share"], True),
+)
+BASELINE_POLICY = "bare"
+
+
+def _params(args: argparse.Namespace) -> AgenticParams:
+    return AgenticParams(num_sessions=args.sessions, num_tool_sets=args.tool_sets,
+                         tool_set_tokens=args.tool_set_tokens, tools_per_set=args.tools_per_set,
+                         min_turns=args.min_turns, max_turns=args.max_turns, question_tokens=args.question_tokens,
+                         tool_result_tokens=args.tool_result_tokens, output_tokens=args.output_tokens)
+
+
+async def measure_level(base_url: str, model: str, metrics: Any, tool_sets: Sequence[ToolSet],
+                        sessions: Sequence[AgentSession], level: int, *, request_timeout_s: float, settle_s: float,
+                        resend_history: bool) -> dict[str, Any]:
+    """One pass of `sessions` at `level` sessions in flight, the engines' prefix-cache counters (`metrics`: one
+    Prometheus URL, or a mapping of independent servers' URLs, or None) scraped around it."""
+    from kvtide.benchmarks.cli import _settled_after, scrape
+    from kvtide.benchmarks.report import metrics_delta
+
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        before = await scrape(client, metrics)
+        started = time.monotonic()
+        turns = await run_sessions(base_url, model, tool_sets, sessions, max_sessions_in_flight=level,
+                                   request_timeout_s=request_timeout_s, resend_history=resend_history)
+        elapsed_s = time.monotonic() - started
+        after = await _settled_after(client, metrics, before, sum(t.ok for t in turns), settle_s)
+    ceiling = infinite_cache_hit_rate(tool_sets, sessions, resend_history)
+    entry: dict[str, Any] = {"sessions_in_flight": level, "elapsed_s": elapsed_s, "infinite_cache_hit_rate": ceiling,
+                             "report": turns_report(turns), "turns": [asdict(t) for t in turns]}
+    delta = metrics_delta(before, after)
+    if delta is not None:
+        rate = delta.prefix_cache_hits / delta.prefix_cache_queries if delta.prefix_cache_queries > 0 else None
+        entry["prefix_cache"] = {"hits_tokens": delta.prefix_cache_hits, "queries_tokens": delta.prefix_cache_queries,
+                                 "hit_rate": rate}
+        entry["hit_rate_vs_infinite_cache"] = rate / ceiling if rate is not None and ceiling else None
+    return entry
+
+
+def summarize_policies(runs: Mapping[str, Mapping[str, Sequence[dict[str, Any]]]]) -> dict[str, Any]:
+    """{policy: {level: [entry per repeat]}} → per policy and level: each metric's median (min–max) over the
+    repeats and, for all but `bare`, its ratio to bare's paired by repeat with the verdict over the ranges."""
+    from kvtide.benchmarks.protocol import ratio_summary, summarize_repeats, verdict
+
+    out: dict[str, Any] = {}
+    base = runs.get(BASELINE_POLICY)
+    for policy, levels in runs.items():
+        out[policy] = {}
+        for level, entries in levels.items():
+            values = {key: [get(e) for e in entries] for key, get, _ in SUMMARY_METRICS}
+            summary: dict[str, Any] = {"metrics": {key: summarize_repeats(v) for key, v in values.items()}}
+            if base is not None and policy != BASELINE_POLICY and level in base:
+                base_values = {key: [get(e) for e in base[level]] for key, get, _ in SUMMARY_METRICS}
+                summary[f"vs_{BASELINE_POLICY}"] = {
+                    key: {"ratio": ratio_summary(values[key], base_values[key]),
+                          "verdict": verdict(values[key], base_values[key], higher)}
+                    for key, _, higher in SUMMARY_METRICS}
+            out[policy][level] = summary
+    return out
+
+
+def _write(out: Path, results: dict[str, Any]) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "report.md").write_text(report_markdown(results))
+
+
+def run_levels(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    """Against one running server: a pass of fresh sessions per level (each level its own seed)."""
+    from kvtide.benchmarks.protocol import provenance
+
+    params = _params(args)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"provenance": provenance(argv), "params": asdict(params),
+                               "resend_history": args.resend_history, "repeats": 1, "policies": {"server": {}}}
+    for i, level in enumerate(args.sessions_in_flight):
+        tool_sets, sessions = build_agentic(params, seed=args.seed + i, tokens_per_word=args.tokens_per_word)
+        entry = asyncio.run(measure_level(args.base_url, args.model, args.metrics_url, tool_sets, sessions, level,
+                                          request_timeout_s=args.request_timeout_s, settle_s=args.metrics_settle_s,
+                                          resend_history=args.resend_history))
+        results["policies"]["server"].setdefault(str(level), []).append(entry)
+        results["summary"] = summarize_policies(results["policies"])
+        _write(out, results)
+    return results
+
+
+def compare_policies(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    """Each policy's server started fresh per repeat (`kvtide bench compare`'s servers), the policy order rotated per
+    repeat; per start an unmeasured warm-up pass, then every level. Within a repeat every policy gets the same
+    sessions; each repeat draws new ones."""
+    from kvtide.benchmarks.cli import policy_config, repeat_order, serving
+    from kvtide.benchmarks.processes import stop_servers_on_sigterm
+    from kvtide.benchmarks.protocol import provenance
+    from kvtide.config import default_config_path
+
+    policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
+    if BASELINE_POLICY in policies and not args.resend_history:
+        raise ValueError("bare vLLM behind round robin shares no Responses store: previous_response_id would reach "
+                         "a server that never saw it; give --resend-history")
+    stop_servers_on_sigterm()
+    configs = {p: policy_config(args.config or default_config_path(), args.overrides, p) for p in policies}
+    params = _params(args)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    server_args = argparse.Namespace(request_timeout=args.request_timeout_s, bare_balancer=args.bare_balancer)
+    results: dict[str, Any] = {"provenance": provenance(argv), "params": asdict(params),
+                               "resend_history": args.resend_history, "repeats": args.repeats, "order": [],
+                               "hardware": args.hardware, "policies": {p: {} for p in policies}, "failed": {}}
+    warm_tool_sets, warm_sessions = build_agentic(AgenticParams(num_sessions=3, num_tool_sets=1, min_turns=2,
+                                                                max_turns=2, tool_set_tokens=params.tool_set_tokens),
+                                                  seed=-1, tokens_per_word=args.tokens_per_word)
+    for repeat in range(args.repeats):
+        drawn = [build_agentic(params, seed=args.seed + 1000 * repeat + i, tokens_per_word=args.tokens_per_word)
+                 for i in range(len(args.sessions_in_flight))]
+        for policy in repeat_order(policies, repeat):
+            if policy in results["failed"]:
+                continue
+            try:
+                with serving(policy, configs[policy], out, server_args) as target:
+                    asyncio.run(run_sessions(target.base_url, target.model_name, warm_tool_sets, warm_sessions,
+                                             max_sessions_in_flight=3, request_timeout_s=args.request_timeout_s,
+                                             resend_history=args.resend_history))
+                    for level, (tool_sets, sessions) in zip(args.sessions_in_flight, drawn):
+                        entry = asyncio.run(measure_level(
+                            target.base_url, target.model_name, target.metrics, tool_sets, sessions, level,
+                            request_timeout_s=args.request_timeout_s, settle_s=args.metrics_settle_s,
+                            resend_history=args.resend_history))
+                        results["policies"][policy].setdefault(str(level), []).append({**entry, "repeat": repeat})
+                        results["summary"] = summarize_policies(results["policies"])
+                        _write(out, results)
+                results["order"].append([policy, repeat])
+            except Exception as exc:  # one policy failing to start must not lose the others' runs
+                results["failed"][policy] = f"{type(exc).__name__}: {str(exc)[:500]}"
+                _write(out, results)
+    return results
+
+
+def _spread(summary: Mapping[str, Any] | None, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+    from kvtide.benchmarks.protocol import format_spread
+
+    return format_spread(summary, scale=scale, fmt=fmt)
+
+
+def report_markdown(results: Mapping[str, Any]) -> str:
+    from kvtide.benchmarks.protocol import provenance_markdown
+
+    p = results["params"]
+    history = ("resent each turn (Responses too: input items)" if results.get("resend_history")
+               else "resent each turn for chat and Messages; Responses chained by previous_response_id")
+    lines = ["# Agentic workload", "",
+             f"{p['num_sessions']} sessions over {p['num_tool_sets']} tool sets of ~{p['tool_set_tokens']} tokens, "
+             f"{p['min_turns']}–{p['max_turns']} turns each (chat with tools, Messages, Responses: a third each); "
+             f"history {history}. {results.get('repeats', 1)} repeat(s): cells are median (min–max) over them. "
+             "TTFT and e2e per turn, milliseconds; hit rates from the engines' prefix-cache counters.", "",
+             "| policy | sessions in flight | turns (errors) | TTFT p50 | TTFT p90 | e2e p90 | same replica | "
+             "engine hit rate | / infinite cache |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for policy, levels in (results.get("summary") or {}).items():
+        for level, summary in levels.items():
+            m = summary["metrics"]
+            entries = results["policies"][policy][level]
+            turns = sum(e["report"]["all"]["turns"] for e in entries)
+            errors = sum(e["report"]["all"]["errors"] for e in entries)
+            lines.append(f"| {policy} | {level} | {turns} ({errors}) | {_spread(m['ttft_p50_s'], 1000, '{:.0f}')} | "
+                         f"{_spread(m['ttft_p90_s'], 1000, '{:.0f}')} | {_spread(m['e2e_p90_s'], 1000, '{:.0f}')} | "
+                         f"{_spread(m['same_replica_share'])} | {_spread(m['engine_hit_rate'])} | "
+                         f"{_spread(m['hit_rate_vs_infinite_cache'])} |")
+    against = [(policy, level, s[f"vs_{BASELINE_POLICY}"]) for policy, levels in (results.get("summary") or {}).items()
+               for level, s in levels.items() if f"vs_{BASELINE_POLICY}" in s]
+    if against:
+        lines += ["", f"Against `{BASELINE_POLICY}` (ratios paired by repeat; the verdict compares the ranges):", "",
+                  "| policy | sessions in flight | TTFT p90 | e2e p90 | engine hit rate |", "|---|---:|---:|---:|---:|"]
+        for policy, level, vs in against:
+            cells = [f"{_spread(vs[k]['ratio'], fmt='{:.2f}')}× {vs[k]['verdict'] or ''}".strip()
+                     for k in ("ttft_p90_s", "e2e_p90_s", "engine_hit_rate")]
+            lines.append(f"| {policy} | {level} | " + " | ".join(cells) + " |")
+    if results.get("failed"):
+        lines += ["", "Failed: " + "; ".join(f"{k}: {v}" for k, v in results["failed"].items())]
+    return "\n".join(lines) + "\n\n" + provenance_markdown(results["provenance"])
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
+    if not levels or any(level < 1 for level in levels):
+        raise argparse.ArgumentTypeError(f"every level must be >= 1, got {text!r}")
+    return levels
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `bench agentic` to the `bench` subcommands."""
+    p = sub.add_parser("agentic", help="agent sessions with tools through chat, Messages and Responses, against a "
+                                       "running server (--base-url) or one fresh server per policy (--policies)")
+    p.add_argument("--out-dir", required=True, help="results.json and report.md")
+    one = p.add_argument_group("one running server")
+    one.add_argument("--base-url", help="running OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    one.add_argument("--metrics-url", help="its Prometheus text, for the engine's prefix-cache counters")
+    one.add_argument("--model", help="served model name to send")
+    cmp = p.add_argument_group("policies compared (servers started as `kvtide bench compare` starts them)")
+    cmp.add_argument("--policies", help="comma list, e.g. prefix_aware,pow2,bare")
+    cmp.add_argument("--config", help="kvtide config (default: the embedded one)")
+    cmp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    cmp.add_argument("--repeats", type=int, default=3, help="fresh starts per policy, order rotated (default 3)")
+    cmp.add_argument("--bare-balancer", choices=("auto", "haproxy", "python"), default="auto",
+                     help="the bare fleet's round robin (as in bench compare)")
+    cmp.add_argument("--hardware", default="", help="what it ran on, for the report")
+    defaults = AgenticParams()
+    w = p.add_argument_group("workload")
+    w.add_argument("--sessions", type=int, default=defaults.num_sessions)
+    w.add_argument("--tool-sets", type=int, default=defaults.num_tool_sets)
+    w.add_argument("--tool-set-tokens", type=int, default=defaults.tool_set_tokens)
+    w.add_argument("--tools-per-set", type=int, default=defaults.tools_per_set)
+    w.add_argument("--min-turns", type=int, default=defaults.min_turns)
+    w.add_argument("--max-turns", type=int, default=defaults.max_turns)
+    w.add_argument("--question-tokens", type=int, default=defaults.question_tokens)
+    w.add_argument("--tool-result-tokens", type=int, default=defaults.tool_result_tokens)
+    w.add_argument("--output-tokens", type=int, default=defaults.output_tokens)
+    w.add_argument("--tokens-per-word", type=float, default=DEFAULT_TOKENS_PER_WORD,
+                   help="the served tokenizer's tokens per word of the generated text")
+    w.add_argument("--tokenizer", help="the served model's tokenizer folder: measure --tokens-per-word with it")
+    w.add_argument("--resend-history", action="store_true",
+                   help="Responses turns resend their history instead of previous_response_id (needed for bare)")
+    w.add_argument("--sessions-in-flight", type=_levels, default=[16, 50],
+                   help="comma list: one pass of fresh sessions per level")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--request-timeout-s", type=float, default=600.0)
+    w.add_argument("--metrics-settle-s", type=float, default=30.0)
+    p.set_defaults(func=cmd_agentic)
+
+
+def cmd_agentic(args: argparse.Namespace) -> int:
+    argv = ["kvtide", *sys.argv[1:]]
+    if args.tokenizer:
+        from kvtide.benchmarks.workloads import calibrate_tokens_per_word
+
+        args.tokens_per_word = calibrate_tokens_per_word(args.tokenizer)
+    try:
+        if args.policies:
+            results = compare_policies(args, argv)
+        elif args.base_url and args.model:
+            results = run_levels(args, argv)
+        else:
+            print("kvtide bench agentic: give --base-url and --model, or --policies", file=sys.stderr)
+            return 2
+    except ValueError as exc:
+        print(f"kvtide bench agentic: {exc}", file=sys.stderr)
+        return 2
+    print(report_markdown(results))
+    errors = any(e["report"]["all"]["errors"] for levels in results["policies"].values()
+                 for entries in levels.values() for e in entries)
+    return 1 if errors or results.get("failed") else 0

@@ -6,6 +6,9 @@
     kvtide bench trace   --base-url URL --metrics-url URL --model M --tokenizer DIR --block-tokens B --out-dir DIR
                                      a Mooncake-format trace replayed at its arrival times by aiperf
                                      (benchmarks/trace_replay.py)
+    kvtide bench agentic --base-url URL [--metrics-url URL] --model M --out-dir DIR
+                                     agent sessions with tools through chat, Messages and Responses
+                                     (benchmarks/agentic.py)
 
 `run` measures any OpenAI-compatible server on loopback. `compare` runs the same
 workload with the same seed once per entry of --policies, each on a fresh server.
@@ -60,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
 import httpx
 
 from kvtide.benchmarks import readme_results
-from kvtide.benchmarks import trace_replay
+from kvtide.benchmarks import agentic, trace_replay
 from kvtide.benchmarks.loadgen import DEFAULT_REQUEST_TIMEOUT_S, LoadResult, run_load
 from kvtide.benchmarks.report import (
     DEFAULT_SLO_TTFT_S,
@@ -219,6 +222,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     readme_results.add_parser(sub)
     trace_replay.add_parser(sub)
+    agentic.add_parser(sub)
 
 
 # ---- per-workload settings (compare) ---------------------------------------------------------

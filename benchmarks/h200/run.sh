@@ -22,6 +22,9 @@
 #                                              (2 per GPU), bare / pow2 / prefix_aware / round_robin, Zipf
 #                                              shared-prefix at several open-loop rates (POLICIES, RATES, ...)
 #   bash benchmarks/h200/run.sh warm           one unmeasured start of the routing fleet (compile caches), before routing
+#   bash benchmarks/h200/run.sh agentic        `kvtide bench agentic` on that fleet: agent sessions (tools; chat, Messages,
+#                                              Responses), prefix_aware / pow2 / bare, REPEATS starts each
+#                                              (AGENTIC_POLICIES, AGENTIC_SESSIONS, AGENTIC_LEVELS)
 #   bash benchmarks/h200/run.sh routing-multiturn the same fleet on multi-turn conversations (MULTITURN_POLICIES, _RATES)
 #   bash benchmarks/h200/run.sh routing-random the same fleet on random prompts (routing must not hurt;
 #                                              RANDOM_POLICIES, RANDOM_RATES)
@@ -292,6 +295,18 @@ standby)
   fi
   kill $mem
   grep -h "start-up:\|role:" /tmp/ray/session_*/logs/serve/replica_*.log > "$RES/start-phases.txt" 2>/dev/null
+  ;;
+agentic)  # issue 49: agent sessions with tools through chat, Messages and Responses on the routing fleet:
+  # prefix_aware / pow2 / bare round robin, each started fresh per repeat (order rotated), two levels of sessions
+  build_8b; leftovers agentic
+  mkdir -p "$RES/agentic"
+  python3 -m kvtide.cluster.cli bench agentic --config "$REPO/config/presets/gpu-demo.yaml" "${FLEET_8B[@]}" \
+      --policies "${AGENTIC_POLICIES:-prefix_aware,pow2,bare}" --resend-history --repeats "${REPEATS:-3}" \
+      --sessions "${AGENTIC_SESSIONS:-60}" --sessions-in-flight "${AGENTIC_LEVELS:-16,50}" \
+      --tokenizer /tmp/models/llama-8b-shape \
+      --hardware "$(gpu_label), $ROUTING_REPLICAS engine replicas of a Llama-3.1-8B-shaped model (random weights)" \
+      --out-dir "$RES/agentic" > "$RES/agentic/agentic.log" 2>&1
+  echo "agentic: exit $?" >> "$RES/driver-notes.txt"
   ;;
 warm)  # one unmeasured cluster of the routing fleet first: the compile caches the measured runs then share
   build_8b; leftovers warm

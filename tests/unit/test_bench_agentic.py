@@ -98,3 +98,73 @@ def test_the_report_gives_percentiles_per_api_and_how_often_a_follow_up_stayed_o
     assert report["all"]["turns"] == 5 and report["all"]["errors"] == 1
     assert report["chat"]["ttft_p50_s"] == pytest.approx(0.2) and report["responses"]["ttft_p50_s"] is None
     assert report["same_replica_share"] == pytest.approx(0.5)
+
+
+def test_levels_parse_as_a_comma_list_of_positive_integers():
+    """--sessions-in-flight: "16,50" → [16, 50]; zero, negatives or words are refused."""
+    import argparse
+
+    from kvtide.benchmarks.agentic import _levels
+
+    assert _levels("16,50") == [16, 50]
+    for bad in ("0", "16,-1", "many"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _levels(bad)
+
+
+def _entry(hit_rate: float, ttft_p90_s: float, repeat: int) -> dict:
+    return {"sessions_in_flight": 16, "infinite_cache_hit_rate": 0.8, "prefix_cache": {"hit_rate": hit_rate},
+            "hit_rate_vs_infinite_cache": hit_rate / 0.8, "repeat": repeat,
+            "report": {"all": {"turns": 40, "errors": 0, "ttft_p50_s": 0.05, "ttft_p90_s": ttft_p90_s,
+                               "e2e_p90_s": 1.2}, "same_replica_share": 1.0}}
+
+
+def test_policies_are_summarized_over_repeats_and_paired_with_bare_by_repeat():
+    """summarize_policies: each metric's median (min–max) over the repeats; against bare, the ratio paired by repeat
+    and a verdict only where the ranges do not overlap."""
+    from kvtide.benchmarks.agentic import summarize_policies
+
+    runs = {"bare": {"16": [_entry(0.4, 0.20, r) for r in range(3)]},
+            "prefix_aware": {"16": [_entry(0.76, t, r) for r, t in enumerate((0.08, 0.10, 0.09))]}}
+    summary = summarize_policies(runs)
+    assert summary["prefix_aware"]["16"]["metrics"]["ttft_p90_s"]["median"] == pytest.approx(0.09)
+    vs = summary["prefix_aware"]["16"]["vs_bare"]
+    assert vs["ttft_p90_s"]["ratio"]["median"] == pytest.approx(0.45) and vs["ttft_p90_s"]["verdict"] == "better"
+    assert vs["engine_hit_rate"]["verdict"] == "better" and "vs_bare" not in summary["bare"]["16"]
+
+
+def test_the_report_reads_each_policys_hit_rate_against_the_ceiling_and_bare():
+    """report.md: a row per policy and level (ms, hit rates, their ratio to the ceiling), then the ratios to bare."""
+    from kvtide.benchmarks.agentic import report_markdown, summarize_policies
+
+    policies = {"bare": {"16": [_entry(0.4, 0.2, 0)]}, "prefix_aware": {"16": [_entry(0.76, 0.1, 0)]}}
+    prov = {"kvtide_commit": "abc", "versions": {"vllm": "0.32.0"}, "gpu": None, "command": "kvtide",
+            "host": {"system": "Linux", "release": "6", "machine": "x86_64", "cpu_count": 2},
+            "utc": "2026-12-06T00:00:00+00:00"}
+    params = {"num_sessions": 60, "num_tool_sets": 3, "tool_set_tokens": 6000, "min_turns": 5, "max_turns": 10}
+    text = report_markdown({"params": params, "policies": policies, "summary": summarize_policies(policies),
+                            "provenance": prov, "repeats": 1})
+    assert "| prefix_aware | 16 | 40 (0) | 50 | 100 | 1200 | 1.000 | 0.760 | 0.950 |" in text
+    assert "| prefix_aware | 16 | 0.50×" in text
+
+
+def test_comparing_with_bare_needs_the_history_resent():
+    """bare vLLM behind round robin shares no Responses store: the comparison refuses to chain previous_response_id."""
+    import argparse
+
+    from kvtide.benchmarks.agentic import compare_policies
+
+    args = argparse.Namespace(policies="prefix_aware,bare", resend_history=False)
+    with pytest.raises(ValueError, match="resend-history"):
+        compare_policies(args, ["kvtide"])
+
+
+def test_a_resent_responses_turn_carries_every_call_and_result_as_input_items():
+    """--resend-history: a later Responses turn resends instructions, the question and each function call with its
+    output (matching call ids), stores nothing and needs no previous id."""
+    _, body = turn_body("m", TOOLS, _session("responses"), 2, resend_history=True)
+    assert "previous_response_id" not in body and body["store"] is False and body["instructions"] == TOOLS.system
+    kinds = [item.get("type", "message") for item in body["input"]]
+    assert kinds == ["message", "function_call", "function_call_output", "function_call", "function_call_output"]
+    calls, outputs = body["input"][1::2], body["input"][2::2]
+    assert [c["call_id"] for c in calls] == [o["call_id"] for o in outputs]
