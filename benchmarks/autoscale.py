@@ -775,8 +775,10 @@ def write_outputs(out_dir: Path | None, rows: list[dict[str, Any]], details: dic
         # The scale-down episode (benchmarks/scale_down.py) writes its part into the same file.
         kept = ({k: v for k, v in json.loads(path.read_text()).items() if k.startswith("scale_down")}
                 if path.exists() else {})
+        from kvtide.benchmarks.protocol import provenance
+
         data = results_json(
-            hardware=args.hardware, variants=rows, command=command,
+            hardware=args.hardware, variants=rows, command=command, provenance=provenance(shlex.split(command)),
             config={"path": args.config, "overrides": overrides, "queue_target_ongoing": args.queue_target_ongoing},
             slo_ttft_s=args.slo_ttft_s, hot_probes=args.hot_probes, trace=asdict(trace), details=details,
             timeline=timelines, failed=failed, **kept)

@@ -416,8 +416,10 @@ def _one_line(report: dict[str, Any]) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     workload = workload_from_args(args)
+    from kvtide.benchmarks.protocol import provenance
+
     report, load = asyncio.run(bench_once(args.url, args.metrics_url, workload, args.policy, args, args.model))
-    _write_json(args.out, report)
+    _write_json(args.out, {**report, "provenance": provenance(["kvtide", *sys.argv[1:]])})
     if args.samples:
         _write_samples(args.samples, load)
     print(_one_line(report))
@@ -492,7 +494,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if not policies:
         print("kvtide bench compare: --policies is empty; give e.g. bare,pow2,prefix_aware", file=sys.stderr)
         return 2
+    from kvtide.benchmarks.protocol import provenance
+
     stop_servers_on_sigterm()  # a stopped run must not leave servers behind
+    # What ran (commit, versions, GPU, the command), in every run JSON: results.json's top level is its policies.
+    prov = provenance(["kvtide", *sys.argv[1:]])
     try:
         workload_args = per_workload_args(args)
     except ValueError as exc:
@@ -527,7 +533,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                                               workload_args[name], target.model_name, level,
                                                               args.warmup if i == 0 else 0, target.num_replicas))
                         label = f"{name} @ {level.label}"
-                        runs.setdefault(label, {}).setdefault(policy, []).append({**report, "repeat": repeat})
+                        runs.setdefault(label, {}).setdefault(policy, []).append(
+                            {**report, "repeat": repeat, "provenance": prov})
                         results.setdefault(label, {})[policy] = aggregate_repeats(runs[label][policy])
                         stem = f"{policy}.{name}.{level.label.replace(' ', '')}" if sweep else policy
                         _write_samples(out / f"{stem}{f'.r{repeat}' if args.repeats > 1 else ''}.requests.jsonl", load)

@@ -62,7 +62,7 @@ def run(batches: int, per_batch: int, words: int, seed: int = 1, config: Any = N
         for i in range(per_batch):
             body = request_body(rng, "kvtide-demo", batch * per_batch + i, words)
             t0 = time.perf_counter()
-            prompt, hashes = routing_prompt_and_hashes(prompts, body, block_size)
+            prompt, hashes, _ = routing_prompt_and_hashes(prompts, body, block_size)
             t1 = time.perf_counter()
             tracker.observe(prompt.token_ids, hashes, time.monotonic())
             t2 = time.perf_counter()

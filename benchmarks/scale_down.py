@@ -273,8 +273,11 @@ def merge_into(out_dir: Path, hardware: str, scale_down: dict[str, Any], extras:
     """autoscale.json gains "scale_down" (the file autoscale.py writes keeps it when it rewrites)."""
     path = out_dir / "autoscale.json"
     data = json.loads(path.read_text()) if path.exists() else {"hardware": hardware, "variants": []}
+    from kvtide.benchmarks.protocol import provenance
+
     data["scale_down"] = scale_down
     data["scale_down_details"] = extras
+    data["scale_down_provenance"] = provenance(["kvtide", *sys.argv[1:]])
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
 
