@@ -234,9 +234,12 @@ class OpenAIFrontend:
 
     def _path(self, routed: dict[str, str], data: Any, endpoint: str) -> str:
         """The path serving the request: the routing peer's decision where its signature holds, else made here
-        by the same function (vllm_layer.request_path)."""
+        by the same function (vllm_layer.request_path). A serving option of this replica's that sends everything
+        to vLLM's layer wins over the peer's word (a peer still on an older config)."""
         path = routed.get(PATH_HEADER)
-        return path if path in PATHS else request_path(data, endpoint, self.prompts.adapters, self.vllm_answers_all)
+        if path not in PATHS or self.vllm_answers_all:
+            return request_path(data, endpoint, self.prompts.adapters, self.vllm_answers_all)
+        return path
 
     async def vllm_passthrough(self, request: Any, endpoint: str) -> Any:
         """A request of vLLM's that generates nothing (counting a message's tokens, a stored

@@ -521,3 +521,5 @@ def test_the_replica_takes_the_peers_signed_path_and_decides_itself_without_one(
 
     frontend = SimpleNamespace(prompts=SimpleNamespace(adapters=frozenset()), vllm_answers_all=False)
     assert OpenAIFrontend._path(frontend, routed, _TOOLS_CHAT, "chat") == path
+    frontend.vllm_answers_all = True  # this replica's serving options send everything to vLLM's layer
+    assert OpenAIFrontend._path(frontend, routed, _TOOLS_CHAT, "chat") == "vllm_layer"
