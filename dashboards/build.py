@@ -274,9 +274,27 @@ def routing() -> DashboardSpec:
                               "oldest over routers). Healthy: under one stats period plus Ray's push delay; "
                               "includes clock skew between hosts."),
     ))
+    books = RowSpec("Engine books by path (kvtide's own, vLLM's layer: tools, Responses, Messages)", (
+        PanelSpec("Booked requests / s by path",
+                  (Query(rate_sum(S, "ray_kvtide_engine_booked_requests_total", W, by="path"), "{{path}}"),),
+                  unit="reqps", width=8,
+                  description="Generations the engines booked for the routers (pending prefill, hits), by the "
+                              "path that made them: kvtide (plain chat and completions) or vllm_layer (tools, "
+                              "structured outputs, logprobs, Responses, Messages). Both are routed and scaled on."),
+        PanelSpec("Booked uncached prompt tokens / s by path",
+                  (Query(rate_sum(S, "ray_kvtide_engine_booked_prefill_tokens_total", W, by="path"), "{{path}}"),),
+                  unit="short", width=8,
+                  description="Prompt tokens the engines had to prefill (not in their prefix cache when booked), "
+                              "the cost the router weighs as pending prefill."),
+        PanelSpec("Exclusive hit tokens / s by path",
+                  (Query(rate_sum(S, "ray_kvtide_engine_exclusive_hit_tokens_total", W, by="path"), "{{path}}"),),
+                  unit="short", width=8, no_value="no exclusive hits",
+                  description="Prompt tokens served from cached blocks no other replica held when the request was "
+                              "routed: what a replica's cache is worth to a cache-aware scale-down."),
+    ))
     return DashboardSpec("kvtide-routing", "kvtide / Routing & cache",
                          "Whether prefix-aware routing pays: cache hit rate per replica and the balance it costs.",
-                         VARIABLES, (cache, balance, router, trust))
+                         VARIABLES, (cache, balance, router, trust, books))
 
 
 def capacity() -> DashboardSpec:

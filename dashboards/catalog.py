@@ -137,6 +137,17 @@ CATALOG: tuple[Metric, ...] = (
     Metric("ray_kvtide_engine_warmup_prefill_tokens_total", _C, _E, ("model",), "tokens",
            "Prompt tokens a new replica prefilled (hot shared prefixes) before taking traffic.",
            "model", needs=AUTOSCALING_ON),
+    Metric("ray_kvtide_engine_booked_requests_total", _C, _E, ("model", "path"), "requests",
+           "Generation requests the engine replica booked for the routers (deployments/engine/request_book.py), by "
+           "the path that made them: kvtide (its own) or vllm_layer (vLLM's serving layer: tools, Responses, "
+           "Messages, logprobs, ...).", "model", needs="a first generation request"),
+    Metric("ray_kvtide_engine_booked_prefill_tokens_total", _C, _E, ("model", "path"), "tokens",
+           "Uncached prompt tokens booked as pending prefill (the replica's own block set's view), by path.",
+           "model", needs="a first generation request with a prompt token not cached"),
+    Metric("ray_kvtide_engine_exclusive_hit_tokens_total", _C, _E, ("model", "path"), "tokens",
+           "Prompt tokens served from cached blocks no other replica held when the request was routed "
+           "(routing.trust): the cache's worth to a cache-aware scale-down, by path.", "model",
+           needs=PREDICTED_HIT_CHECKED),
     Metric("ray_kvtide_engine_start_phase_seconds", _G, _E, ("model", "phase"), "seconds",
            "Seconds the replica's start-up spent per phase: process (actor process start to constructor), "
            "import (vLLM in the replica), engine (engine-core spawn, model load, KV cache, CUDA graphs), "
