@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import httpx
 
@@ -386,6 +387,21 @@ SUMMARY_METRICS: tuple[tuple[str, Any, bool], ...] = (
 BASELINE_POLICY = "bare"
 
 
+@dataclass(frozen=True)
+class Servers:
+    """How `kvtide bench compare` starts a policy's servers and reads their counters, handed in by benchmarks/cli.py
+    (which imports this module; this one imports nothing of it): `serving(policy, config, out, args)` (a context
+    manager yielding a target with base_url, metrics, model_name), `policy_config(config_path, overrides, policy)`,
+    `repeat_order(policies, repeat)`, `scrape(client, metrics)` and `settled_after(client, metrics, before, num_ok,
+    settle_s)` (async)."""
+
+    serving: Callable[..., Any]
+    policy_config: Callable[..., Any]
+    repeat_order: Callable[..., list[str]]
+    scrape: Callable[..., Any]
+    settled_after: Callable[..., Any]
+
+
 def _params(args: argparse.Namespace) -> AgenticParams:
     return AgenticParams(num_sessions=args.sessions, num_tool_sets=args.tool_sets,
                          tool_set_tokens=args.tool_set_tokens, tools_per_set=args.tools_per_set,
@@ -393,21 +409,20 @@ def _params(args: argparse.Namespace) -> AgenticParams:
                          tool_result_tokens=args.tool_result_tokens, output_tokens=args.output_tokens)
 
 
-async def measure_level(base_url: str, model: str, metrics: Any, tool_sets: Sequence[ToolSet],
+async def measure_level(servers: Servers, base_url: str, model: str, metrics: Any, tool_sets: Sequence[ToolSet],
                         sessions: Sequence[AgentSession], level: int, *, request_timeout_s: float, settle_s: float,
                         resend_history: bool) -> dict[str, Any]:
     """One pass of `sessions` at `level` sessions in flight, the engines' prefix-cache counters (`metrics`: one
     Prometheus URL, or a mapping of independent servers' URLs, or None) scraped around it."""
-    from kvtide.benchmarks.cli import _settled_after, scrape
     from kvtide.benchmarks.report import metrics_delta
 
     async with httpx.AsyncClient(timeout=10.0) as client:
-        before = await scrape(client, metrics)
+        before = await servers.scrape(client, metrics)
         started = time.monotonic()
         turns = await run_sessions(base_url, model, tool_sets, sessions, max_sessions_in_flight=level,
                                    request_timeout_s=request_timeout_s, resend_history=resend_history)
         elapsed_s = time.monotonic() - started
-        after = await _settled_after(client, metrics, before, sum(t.ok for t in turns), settle_s)
+        after = await servers.settled_after(client, metrics, before, sum(t.ok for t in turns), settle_s)
     ceiling = infinite_cache_hit_rate(tool_sets, sessions, resend_history)
     entry: dict[str, Any] = {"sessions_in_flight": level, "elapsed_s": elapsed_s, "infinite_cache_hit_rate": ceiling,
                              "report": turns_report(turns), "turns": [asdict(t) for t in turns]}
@@ -447,7 +462,7 @@ def _write(out: Path, results: dict[str, Any]) -> None:
     (out / "report.md").write_text(report_markdown(results))
 
 
-def run_levels(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+def run_levels(servers: Servers, args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     """Against one running server: a pass of fresh sessions per level (each level its own seed)."""
     from kvtide.benchmarks.protocol import provenance
 
@@ -458,7 +473,8 @@ def run_levels(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                                "resend_history": args.resend_history, "repeats": 1, "policies": {"server": {}}}
     for i, level in enumerate(args.sessions_in_flight):
         tool_sets, sessions = build_agentic(params, seed=args.seed + i, tokens_per_word=args.tokens_per_word)
-        entry = asyncio.run(measure_level(args.base_url, args.model, args.metrics_url, tool_sets, sessions, level,
+        entry = asyncio.run(measure_level(servers, args.base_url, args.model, args.metrics_url, tool_sets,
+                                          sessions, level,
                                           request_timeout_s=args.request_timeout_s, settle_s=args.metrics_settle_s,
                                           resend_history=args.resend_history))
         results["policies"]["server"].setdefault(str(level), []).append(entry)
@@ -467,11 +483,10 @@ def run_levels(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     return results
 
 
-def compare_policies(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+def compare_policies(servers: Servers | None, args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     """Each policy's server started fresh per repeat (`kvtide bench compare`'s servers), the policy order rotated per
     repeat; per start an unmeasured warm-up pass, then every level. Within a repeat every policy gets the same
     sessions; each repeat draws new ones."""
-    from kvtide.benchmarks.cli import policy_config, repeat_order, serving
     from kvtide.benchmarks.processes import stop_servers_on_sigterm
     from kvtide.benchmarks.protocol import provenance
     from kvtide.config import default_config_path
@@ -480,8 +495,9 @@ def compare_policies(args: argparse.Namespace, argv: Sequence[str]) -> dict[str,
     if BASELINE_POLICY in policies and not args.resend_history:
         raise ValueError("bare vLLM behind round robin shares no Responses store: previous_response_id would reach "
                          "a server that never saw it; give --resend-history")
+    assert servers is not None
     stop_servers_on_sigterm()
-    configs = {p: policy_config(args.config or default_config_path(), args.overrides, p) for p in policies}
+    configs = {p: servers.policy_config(args.config or default_config_path(), args.overrides, p) for p in policies}
     params = _params(args)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -495,17 +511,17 @@ def compare_policies(args: argparse.Namespace, argv: Sequence[str]) -> dict[str,
     for repeat in range(args.repeats):
         drawn = [build_agentic(params, seed=args.seed + 1000 * repeat + i, tokens_per_word=args.tokens_per_word)
                  for i in range(len(args.sessions_in_flight))]
-        for policy in repeat_order(policies, repeat):
+        for policy in servers.repeat_order(policies, repeat):
             if policy in results["failed"]:
                 continue
             try:
-                with serving(policy, configs[policy], out, server_args) as target:
+                with servers.serving(policy, configs[policy], out, server_args) as target:
                     asyncio.run(run_sessions(target.base_url, target.model_name, warm_tool_sets, warm_sessions,
                                              max_sessions_in_flight=3, request_timeout_s=args.request_timeout_s,
                                              resend_history=args.resend_history))
                     for level, (tool_sets, sessions) in zip(args.sessions_in_flight, drawn):
                         entry = asyncio.run(measure_level(
-                            target.base_url, target.model_name, target.metrics, tool_sets, sessions, level,
+                            servers, target.base_url, target.model_name, target.metrics, tool_sets, sessions, level,
                             request_timeout_s=args.request_timeout_s, settle_s=args.metrics_settle_s,
                             resend_history=args.resend_history))
                         results["policies"][policy].setdefault(str(level), []).append({**entry, "repeat": repeat})
@@ -571,8 +587,8 @@ def _levels(text: str) -> list[int]:
     return levels
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Add `bench agentic` to the `bench` subcommands."""
+def add_parser(sub: argparse._SubParsersAction, servers: Servers) -> None:
+    """Add `bench agentic` to the `bench` subcommands (`servers`: benchmarks/cli.py's, see Servers)."""
     p = sub.add_parser("agentic", help="agent sessions with tools through chat, Messages and Responses, against a "
                                        "running server (--base-url) or one fresh server per policy (--policies)")
     p.add_argument("--out-dir", required=True, help="results.json and report.md")
@@ -609,10 +625,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--request-timeout-s", type=float, default=600.0)
     w.add_argument("--metrics-settle-s", type=float, default=30.0)
-    p.set_defaults(func=cmd_agentic)
+    p.set_defaults(func=functools.partial(cmd_agentic, servers=servers))
 
 
-def cmd_agentic(args: argparse.Namespace) -> int:
+def cmd_agentic(args: argparse.Namespace, servers: Servers) -> int:
     argv = ["kvtide", *sys.argv[1:]]
     if args.tokenizer:
         from kvtide.benchmarks.workloads import calibrate_tokens_per_word
@@ -620,9 +636,9 @@ def cmd_agentic(args: argparse.Namespace) -> int:
         args.tokens_per_word = calibrate_tokens_per_word(args.tokenizer)
     try:
         if args.policies:
-            results = compare_policies(args, argv)
+            results = compare_policies(servers, args, argv)
         elif args.base_url and args.model:
-            results = run_levels(args, argv)
+            results = run_levels(servers, args, argv)
         else:
             print("kvtide bench agentic: give --base-url and --model, or --policies", file=sys.stderr)
             return 2

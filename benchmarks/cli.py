@@ -222,7 +222,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     readme_results.add_parser(sub)
     trace_replay.add_parser(sub)
-    agentic.add_parser(sub)
+    agentic.add_parser(sub, agentic.Servers(serving, policy_config, repeat_order, scrape, _settled_after))
 
 
 # ---- per-workload settings (compare) ---------------------------------------------------------

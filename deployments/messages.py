@@ -8,6 +8,7 @@ neither side imports the other's heavy dependencies (vLLM stays out of the ingre
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -144,3 +145,38 @@ class VllmLayerCall:
     prompt: str | None = None
     decision: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     pinned_replica: str | None = None  # as RoutingKey's: a stored response's replica
+
+
+# ---- the path a generation request takes, and what its engine call books --------------------
+
+# kvtide's own path (plain chat and completions) or vLLM's serving layer in the replica (tools, structured
+# outputs, logprobs, Responses, Messages, ...): frontend/vllm_layer.request_path decides, once per request.
+KVTIDE_PATH = "kvtide"
+VLLM_LAYER_PATH = "vllm_layer"
+PATHS = (KVTIDE_PATH, VLLM_LAYER_PATH)
+
+
+@dataclass(frozen=True)
+class Routed:
+    """What the router said about a request handed to vLLM's layer: its prediction (a routing.trust.Prediction;
+    None: none made, or none trusted: a prediction header counts only under the routing peer's signature)."""
+
+    prediction: Any = None
+
+
+# The request being handed to vLLM's layer in this task (frontend/vllm_layer.VllmLayerResponse sets it); the
+# engine calls vLLM's app makes for it read it (engine/request_book.BookedEngine).
+ROUTED: ContextVar[Routed | None] = ContextVar("kvtide_routed", default=None)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """One generation's end as the engine booked it (engine/request_book.py): the engine's cached prompt tokens
+    against the router's prediction, and the exclusive hits credited."""
+
+    request_id: str
+    path: str
+    prediction: Any  # routing.trust.Prediction, or None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    exclusive_hit_tokens: int

@@ -58,7 +58,7 @@ from ray.serve.handle import DeploymentHandle
 from kvtide.deployments.logs import replica_logger
 from kvtide.config import KvtideConfig, parse_config
 from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
-from kvtide.deployments.messages import RoutingKey
+from kvtide.deployments.messages import KVTIDE_PATH, VLLM_LAYER_PATH, RoutingKey
 from kvtide.deployments.frontend.prompt_pool import PromptPool
 from kvtide.deployments.routing.response_pins import previous_response_owner
 from kvtide.deployments.frontend.prompts import SESSION_HEADER, Prompt, PromptBuilder, load_tokenizer, session_key
@@ -67,7 +67,6 @@ from kvtide.deployments.frontend.auth import authorize, load_api_keys
 from kvtide.deployments.internal_auth import CONSULT_HEADER, consult_allowed, load_internal_secret, sign_route
 from kvtide.deployments.tenancy import tenant_tag
 from kvtide.deployments.routing.trust import prediction_header
-from kvtide.deployments.engine.request_book import KVTIDE_PATH, VLLM_LAYER_PATH
 from kvtide.deployments.frontend.vllm_layer import PATH_HEADER, answers_every_request
 
 logger = replica_logger("router_peer")

@@ -35,11 +35,11 @@ from kvtide.autoscaling.warm_start import fleet_view, plan_prefills
 from kvtide.deployments.engine.engine_config import start_engine
 from kvtide.deployments.engine.kv_cache_tracker import KvCacheTracker
 from kvtide.deployments.engine.kv_events import KvEventListener, new_ipc_endpoint
-from kvtide.deployments.messages import GenerateDelta, GenerateRequest, VllmLayerCall
+from kvtide.deployments.messages import KVTIDE_PATH, Finished, GenerateDelta, GenerateRequest, VllmLayerCall
 from kvtide.deployments.names import INGRESS_DEPLOYMENT
 from kvtide.deployments.routing.trust import read_prediction
 from kvtide.deployments.engine.pending_prefill import PendingPrefill
-from kvtide.deployments.engine.request_book import KVTIDE_PATH, BookedEngine, Finished, RequestBook
+from kvtide.deployments.engine.request_book import BookedEngine, RequestBook
 from kvtide.deployments.engine.standby import ROLE_POLL_S, EngineRole
 from kvtide.deployments.engine.start_phases import WAKE_PHASE, describe, start_phases
 from kvtide.deployments.engine.vllm_openai import build_vllm_openai_app, system_fingerprint

@@ -25,40 +25,11 @@ Pure (no vLLM or Ray import): the replica hands in its engine and its clock.
 from __future__ import annotations
 
 import time
-from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from kvtide.deployments.engine.pending_prefill import PendingPrefill
+from kvtide.deployments.messages import ROUTED, VLLM_LAYER_PATH, Finished
 from kvtide.deployments.routing.trust import Prediction, exclusive_hit_tokens
-
-KVTIDE_PATH = "kvtide"
-VLLM_LAYER_PATH = "vllm_layer"
-PATHS = (KVTIDE_PATH, VLLM_LAYER_PATH)
-
-
-@dataclass(frozen=True)
-class Routed:
-    """What the router said about a request handed to vLLM's layer: its prediction (None: none made, or none
-    trusted: a prediction header counts only under the routing peer's signature for the body)."""
-
-    prediction: Prediction | None = None
-
-
-# The request being handed to vLLM's layer in this task (frontend/vllm_layer.VllmLayerResponse sets it).
-ROUTED: ContextVar[Routed | None] = ContextVar("kvtide_routed", default=None)
-
-
-@dataclass(frozen=True)
-class Finished:
-    """One request's end as booked: the engine's cached tokens against the router's prediction."""
-
-    request_id: str
-    path: str
-    prediction: Prediction | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    exclusive_hit_tokens: int
 
 
 def engine_prompt_tokens(prompt: Any) -> tuple[list[int], str | None] | None:

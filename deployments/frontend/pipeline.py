@@ -43,7 +43,8 @@ from kvtide.deployments.frontend.admission import AdmissionGate, Deadline, admis
 from kvtide.deployments.frontend.engine_client import EngineClient, EngineStream, timeout_error, unavailable_error
 from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.frontend.metrics import FrontendMetrics
-from kvtide.deployments.messages import GenerateDelta, GenerateRequest, SamplingSpec, VllmLayerCall
+from kvtide.deployments.messages import (PATHS, VLLM_LAYER_PATH, Finished, GenerateDelta, GenerateRequest, Routed,
+                                         SamplingSpec, VllmLayerCall)
 from kvtide.deployments.frontend.prompts import (
     ROUTED_TOKENS_HEADER,
     Prompt,
@@ -59,7 +60,6 @@ from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, Prompt
 from kvtide.deployments.tenancy import (request_tenant, scoped_body_bytes, scoped_headers, scoped_path,
                                                  tenant_tag, with_tenant_salt)
 from kvtide.deployments.internal_auth import verified_route_headers
-from kvtide.deployments.engine.request_book import PATHS, VLLM_LAYER_PATH, Finished, Routed
 from kvtide.deployments.routing.block_hash import BlockHash
 from kvtide.deployments.routing.trust import (
     PREDICTED_CACHED_TOKENS_HEADER,

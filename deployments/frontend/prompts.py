@@ -43,7 +43,7 @@ from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, decode
 from kvtide.deployments.frontend.token_encoder import TokenEncoder
 from kvtide.deployments.frontend.unsupported import refuse_unhonoured
 from kvtide.deployments.frontend.api_bodies import body_endpoint, chat_view
-from kvtide.deployments.engine.request_book import VLLM_LAYER_PATH
+from kvtide.deployments.messages import VLLM_LAYER_PATH
 from kvtide.deployments.frontend.vllm_layer import request_path
 from kvtide.deployments.tenancy import with_tenant_salt
 

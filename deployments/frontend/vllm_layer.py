@@ -33,8 +33,7 @@ from kvtide.deployments.tenancy import scoped_headers
 from kvtide.deployments.routing.response_pins import response_owner
 from kvtide.deployments.frontend.unsupported import NOT_HONOURED, first_unhonoured
 from kvtide.deployments.logs import replica_logger
-from kvtide.deployments.messages import VllmLayerCall
-from kvtide.deployments.engine.request_book import KVTIDE_PATH, ROUTED, VLLM_LAYER_PATH, Routed
+from kvtide.deployments.messages import KVTIDE_PATH, ROUTED, VLLM_LAYER_PATH, Routed, VllmLayerCall
 
 logger = replica_logger("vllm_layer")
 

@@ -156,7 +156,7 @@ def test_comparing_with_bare_needs_the_history_resent():
 
     args = argparse.Namespace(policies="prefix_aware,bare", resend_history=False)
     with pytest.raises(ValueError, match="resend-history"):
-        compare_policies(args, ["kvtide"])
+        compare_policies(None, args, ["kvtide"])
 
 
 def test_a_resent_responses_turn_carries_every_call_and_result_as_input_items():

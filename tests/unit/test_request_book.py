@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from kvtide.deployments.engine.pending_prefill import PendingPrefill
-from kvtide.deployments.engine.request_book import (KVTIDE_PATH, ROUTED, VLLM_LAYER_PATH, BookedEngine, RequestBook,
-                                                    Routed, engine_prompt_tokens)
+from kvtide.deployments.engine.request_book import BookedEngine, RequestBook, engine_prompt_tokens
+from kvtide.deployments.messages import KVTIDE_PATH, ROUTED, VLLM_LAYER_PATH, Routed
 from kvtide.deployments.routing.trust import Prediction
 
 REPLICA = "replica-a"

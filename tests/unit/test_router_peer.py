@@ -31,7 +31,7 @@ from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, Prompt
 from kvtide.deployments.routing.ray_router import PrefixAwareRouter
 from kvtide.deployments.router_peer import HEADER_HEADROOM_BYTES, RouterPeer, route_app, route_headers
 from kvtide.deployments.routing.block_hash import block_hashes
-from kvtide.deployments.engine.request_book import KVTIDE_PATH, VLLM_LAYER_PATH
+from kvtide.deployments.messages import KVTIDE_PATH, VLLM_LAYER_PATH
 from kvtide.deployments.frontend.vllm_layer import PATH_HEADER
 from kvtide.deployments.routing.snapshot import CacheDigest
 from kvtide.deployments.routing.trust import (
