@@ -182,8 +182,11 @@ def turn_body(model: str, tool_set: ToolSet, session: AgentSession, turn: int,
                 {"type": "tool_result", "tool_use_id": call_id, "content": session.results[t]}]})
         tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
                   "input_schema": t["function"]["parameters"]} for t in tool_set.tools]
+        # tool_choice none, as on the other APIs: the model is only shown the tools (vLLM's default with tools
+        # is auto, which a server without a tool-call parser refuses).
         return "/v1/messages", {"model": model, "system": tool_set.system, "messages": history, "tools": tools,
-                                "max_tokens": session.output_tokens, "stream": True, "temperature": 0}
+                                "tool_choice": {"type": "none"}, "max_tokens": session.output_tokens, "stream": True,
+                                "temperature": 0}
     raise ValueError(f"unknown API {session.api!r}; choose one of {', '.join(APIS)}")
 
 

@@ -56,7 +56,7 @@ def test_a_chat_turn_resends_the_history_with_each_tool_call_and_its_result():
 def test_a_messages_turn_resends_tool_use_and_tool_result_blocks():
     """Messages: `system` apart, the history alternates the assistant's tool_use and the user's tool_result."""
     path, body = turn_body("m", TOOLS, _session("messages"), 1)
-    assert path == "/v1/messages" and body["system"] == TOOLS.system
+    assert path == "/v1/messages" and body["system"] == TOOLS.system and body["tool_choice"] == {"type": "none"}
     assert body["tools"][0]["input_schema"] == TOOLS.tools[0]["function"]["parameters"]
     use, result = body["messages"][1]["content"][0], body["messages"][2]["content"][0]
     assert (use["type"], result["type"]) == ("tool_use", "tool_result") and use["id"] == result["tool_use_id"]
