@@ -544,7 +544,7 @@ def _spread(summary: Mapping[str, Any] | None, scale: float = 1.0, fmt: str = "{
 
 
 def report_markdown(results: Mapping[str, Any]) -> str:
-    from kvtide.benchmarks.protocol import provenance_markdown
+    from kvtide.benchmarks.protocol import CLAIM_MIN_REPEATS, provenance_markdown
 
     p = results["params"]
     history = ("resent each turn (Responses too: input items)" if results.get("resend_history")
@@ -577,6 +577,10 @@ def report_markdown(results: Mapping[str, Any]) -> str:
             lines.append(f"| {policy} | {level} | " + " | ".join(cells) + " |")
     if results.get("failed"):
         lines += ["", "Failed: " + "; ".join(f"{k}: {v}" for k, v in results["failed"].items())]
+    repeats = results.get("repeats", 1)
+    if repeats < CLAIM_MIN_REPEATS:
+        lines += ["", f"**{repeats} repeat{'s' if repeats != 1 else ''}: too few to tell a difference from noise; "
+                      f"the verdicts above are no claim ({CLAIM_MIN_REPEATS} or more: `--repeats`).**"]
     return "\n".join(lines) + "\n\n" + provenance_markdown(results["provenance"])
 
 
