@@ -29,6 +29,9 @@ the deltas exclude whatever ran earlier. Series names, both spellings accepted:
     ray_vllm_prefix_cache_queries_total       vllm:prefix_cache_queries_total
     ray_vllm_request_success_total            vllm:request_success_total
 
+The file `kvtide bench run` writes, and each run `kvtide bench compare` records, adds one key
+after these: `provenance` (benchmarks.protocol.provenance: commit, versions, GPU, command).
+
 Under Ray, vLLM's stat logger tags every series with `ReplicaId` (the Serve replica's
 unique id), which is what `requests_per_replica` groups by; a bare server has one
 engine and reports under the key "vllm". A fleet of independent bare servers (the
