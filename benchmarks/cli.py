@@ -221,8 +221,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cmp_p.set_defaults(func=cmd_compare)
 
     readme_results.add_parser(sub)
-    trace_replay.add_parser(sub)
-    agentic.add_parser(sub, agentic.Servers(serving, policy_config, repeat_order, scrape, _settled_after))
+    servers = agentic.Servers(serving, policy_config, repeat_order, scrape, _settled_after)
+    trace_replay.add_parser(sub, servers)
+    agentic.add_parser(sub, servers)
 
 
 # ---- per-workload settings (compare) ---------------------------------------------------------

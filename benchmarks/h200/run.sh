@@ -21,6 +21,8 @@
 #   bash benchmarks/h200/run.sh routing        `kvtide bench compare` on the x2 kind: 4 replicas of the 8B shape
 #                                              (2 per GPU), bare / pow2 / prefix_aware / round_robin, Zipf
 #                                              shared-prefix at several open-loop rates (POLICIES, RATES, ...)
+#   bash benchmarks/h200/run.sh trace          `kvtide bench trace` (vllm bench serve) on the Mooncake trace: prefix_aware /
+#                                              bare round robin, REPEATS fresh starts each (TRACE_POLICIES, TRACE_SCALES, ...)
 #   bash benchmarks/h200/run.sh warm           one unmeasured start of the routing fleet (compile caches), before routing
 #   bash benchmarks/h200/run.sh agentic        `kvtide bench agentic` on that fleet: agent sessions (tools; chat, Messages,
 #                                              Responses), prefix_aware / pow2 / bare, REPEATS starts each
@@ -307,6 +309,28 @@ agentic)  # issue 49: agent sessions with tools through chat, Messages and Respo
       --hardware "$(gpu_label), $ROUTING_REPLICAS engine replicas of a Llama-3.1-8B-shaped model (random weights)" \
       --out-dir "$RES/agentic" > "$RES/agentic/agentic.log" 2>&1
   echo "agentic: exit $?" >> "$RES/driver-notes.txt"
+  ;;
+trace)  # issue 48: the shared Mooncake trace at its timestamps, replayed by vLLM's own `vllm bench serve` (aiperf's
+  # dependencies are not carried), against TRACE_POLICIES' fleets of the 8B shape, each started fresh per repeat
+  # (order rotated): TRACE_REPLICAS replicas at TRACE_GPU_SHARE GPU and TRACE_KV_BYTES of KV each (default 2 x 0.5
+  # GPU x 16 GiB: four 8B engines do not fit one H100 beside their KV). Window TRACE_START_S + TRACE_DURATION_S of
+  # the trace, TRACE_BLOCK_TOKENS per hash id, at each of TRACE_SCALES (timestamp multipliers: 0.5 = twice its rate).
+  build_8b; leftovers trace
+  mkdir -p "$RES/trace"
+  n=${TRACE_REPLICAS:-2}; share=${TRACE_GPU_SHARE:-0.5}; kv=${TRACE_KV_BYTES:-17179869184}
+  python3 -m kvtide.cluster.cli bench trace --config "$REPO/config/presets/gpu-demo.yaml" \
+      --set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape \
+      --set replicas.num_replicas="$n" --set resources.gpus_per_worker="$share" --set engine.gpu_memory_utilization=null \
+      --set engine.kv_cache_memory_bytes="$kv" --set engine.max_model_len=8192 --set engine.max_num_batched_tokens=8192 \
+      --set http.port=8300 --set metrics.port=8390 \
+      --policies "${TRACE_POLICIES:-prefix_aware,bare}" --repeats "${REPEATS:-3}" --client vllm-bench \
+      --tokenizer /tmp/models/llama-8b-shape --trace "$REPO/.gpu/kvtide/mooncake-synthetic.jsonl" \
+      --block-tokens "${TRACE_BLOCK_TOKENS:-64}" --max-input-tokens 7936 --over-long truncate --max-output-tokens 128 \
+      --start-s "${TRACE_START_S:-800}" --duration-s "${TRACE_DURATION_S:-100}" --time-scale "${TRACE_SCALES:-0.8,0.5}" \
+      --slo-ttft-ms 1000 --metrics-settle-s 20 \
+      --hardware "$(gpu_label), $n engine replicas of a Llama-3.1-8B-shaped model (random weights), $share GPU and $((kv / 1073741824)) GiB KV each, vLLM $(python3 -c 'import vllm; print(vllm.__version__)' 2>/dev/null)" \
+      --out-dir "$RES/trace" > "$RES/trace/trace.log" 2>&1
+  echo "trace: exit $?" >> "$RES/driver-notes.txt"
   ;;
 warm)  # one unmeasured cluster of the routing fleet first: the compile caches the measured runs then share
   build_8b; leftovers warm

@@ -10,4 +10,6 @@ python3 -m pip wheel --quiet --no-deps --wheel-dir .gpu/kvtide "$src"
 rm -rf "$src"
 # The device copy has no .git: run.sh exports this as KVTIDE_COMMIT for the results' provenance.
 echo "$(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!benchmarks/results' || echo -dirty)" > .gpu/kvtide/COMMIT
+# The shared Mooncake trace (../shared does not travel to the device): run.sh's trace stage reads it here.
+cp ../shared/traces/mooncake-synthetic.jsonl .gpu/kvtide/
 ls .gpu/kvtide

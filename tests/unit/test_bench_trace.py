@@ -8,7 +8,15 @@ import pytest
 
 from kvtide.benchmarks.trace_replay import (
     AIPERF_VERSION,
+    VLLM_BENCH_RESULT_FILE,
     AiperfOptions,
+    VllmBenchOptions,
+    baseline_policy,
+    compare_markdown,
+    summarize_trace_runs,
+    vllm_bench_command,
+    vllm_bench_env,
+    parse_vllm_bench_result,
     ScaleOptions,
     TraceRequest,
     aiperf_command,
@@ -300,7 +308,13 @@ def test_bench_trace_is_registered_with_scaling_flags():
                               "--out-dir", "o", "--block-tokens", "16", "--max-input-tokens", "1000",
                               "--time-scale", "2,1", "--limit", "40", "--over-long", "truncate"])
     assert (args.block_tokens, args.max_input_tokens, args.time_scale, args.limit) == (16, 1000, [2.0, 1.0], 40)
-    assert args.over_long == "truncate" and args.cache_salt == "auto" and args.func.__name__ == "cmd_trace"
+    assert args.over_long == "truncate" and args.cache_salt == "auto" and args.func.func.__name__ == "cmd_trace"
+    assert args.client == "aiperf" and args.policies is None
+    compare = parser.parse_args(["bench", "trace", "--policies", "prefix_aware,bare", "--repeats", "3", "--client",
+                                 "vllm-bench", "--tokenizer", "tok", "--out-dir", "o", "--block-tokens", "16",
+                                 "--set", "replicas.num_replicas=2"])
+    assert (compare.policies, compare.repeats, compare.client, compare.overrides) == (
+        "prefix_aware,bare", 3, "vllm-bench", ["replicas.num_replicas=2"])
 
 
 def test_default_trace_is_the_shared_one_next_to_the_checkout(tmp_path):
@@ -310,3 +324,103 @@ def test_default_trace_is_the_shared_one_next_to_the_checkout(tmp_path):
     (tmp_path / "shared" / "traces").mkdir(parents=True)
     (tmp_path / "shared" / "traces" / "mooncake-synthetic.jsonl").write_text("")
     assert default_trace_path(tmp_path) == tmp_path / "shared" / "traces" / "mooncake-synthetic.jsonl"
+
+
+def test_vllm_bench_command_replays_the_scaled_trace_at_its_timestamps(tmp_path):
+    """vllm bench serve's argv: timed_trace at block size B in ms, every request, no test request, detail saved."""
+    options = VllmBenchOptions(base_url="http://127.0.0.1:8000", model="demo", tokenizer_dir="/m/tok",
+                               trace_path=tmp_path / "trace.jsonl", artifact_dir=tmp_path / "vb", block_tokens=32,
+                               num_requests=40, slo_ttft_ms=500.0, cache_salt="s1", random_seed=7, api_key="secret",
+                               python="py")
+    command = vllm_bench_command(options)
+    flags = {command[i]: command[i + 1] for i in range(len(command) - 1) if command[i].startswith("--")}
+    assert command[:2] == ["py", "-c"] and "BenchmarkServingSubcommand" in command[2]
+    assert (flags["--dataset-name"], flags["--dataset-path"]) == ("timed_trace", str(tmp_path / "trace.jsonl"))
+    assert (flags["--timed-trace-chunk-hash-size"], flags["--timed-trace-sec-multiplier"]) == ("32", "0.001")
+    assert (flags["--num-prompts"], flags["--ready-check-timeout-sec"], flags["--num-warmups"]) == ("40", "0", "0")
+    assert (flags["--backend"], flags["--endpoint"], flags["--goodput"]) == ("openai", "/v1/completions", "ttft:500")
+    assert (flags["--result-dir"], flags["--result-filename"]) == (str(tmp_path / "vb"), VLLM_BENCH_RESULT_FILE)
+    assert json.loads(flags["--extra-body"]) == {"cache_salt": "s1"} and "--save-detailed" in command
+    assert "secret" not in " ".join(command)
+    env = vllm_bench_env(options, {"PATH": "/bin", "OPENAI_API_KEY": "other"})
+    assert (env["PYTHONHASHSEED"], env["OPENAI_API_KEY"], env["HF_HUB_OFFLINE"]) == ("7", "secret", "1")
+    keyless = VllmBenchOptions(**{**options.__dict__, "api_key": None, "cache_salt": None})
+    assert "OPENAI_API_KEY" not in vllm_bench_env(keyless, {"OPENAI_API_KEY": "other"})
+    assert "--extra-body" not in vllm_bench_command(keyless)
+
+
+# `vllm bench serve --save-detailed` result, cut to the fields read and a few beside them (vLLM 0.26's keys):
+# three requests, the third failed (error text, no tokens).
+VLLM_BENCH_JSON = json.dumps({
+    "date": "20261206-120000", "backend": "openai", "duration": 2.5, "completed": 2, "failed": 1,
+    "request_throughput": 0.8, "request_goodput": 0.4, "p50_ttft_ms": 150.0, "p90_ttft_ms": 190.0,
+    "p99_ttft_ms": 199.0, "p90_e2el_ms": 560.0, "mean_ttft_ms": 150.0,
+    "start_times": [100.0, 100.5, 101.0], "ttfts": [0.1, 0.2, 0.0], "itls": [[0.05, 0.05], [0.1, 0.2], []],
+    "errors": ["", "", "Bad Request: prompt too long"], "output_lens": [3, 3, 0],
+})
+
+
+def test_parse_a_vllm_bench_detailed_result():
+    """Per-request start/TTFT/gaps become records (end = start + TTFT + gaps); errors fail; its aggregate is kept."""
+    records, summary = parse_vllm_bench_result(VLLM_BENCH_JSON)
+    assert [r.ok for r in records] == [True, True, False]
+    assert [r.ttft_ms for r in records] == [pytest.approx(100.0), pytest.approx(200.0), None]
+    assert [r.e2e_ms for r in records][:2] == [pytest.approx(200.0), pytest.approx(500.0)] and records[2].e2e_ms is None
+    assert records[1].end_ns - records[1].start_ns == pytest.approx(0.5e9, abs=10)
+    report = records_report(records, slo_ttft_ms=150.0)
+    assert (report["num_requests"], report["num_errors"]) == (3, 1)
+    assert report["duration_s"] == pytest.approx(101.0 - 100.0)  # first start to the last end (request 2's)
+    assert report["goodput_requests_per_s"] == pytest.approx(1 / report["duration_s"])
+    assert summary == {"completed": 2, "failed": 1, "duration": 2.5, "request_throughput": 0.8,
+                       "request_goodput": 0.4, "p50_ttft_ms": 150.0, "p90_ttft_ms": 190.0, "p99_ttft_ms": 199.0,
+                       "p90_e2el_ms": 560.0}
+    with pytest.raises(ValueError, match="differ in length"):
+        parse_vllm_bench_result(json.dumps({"start_times": [1.0], "ttfts": [], "itls": [], "errors": []}))
+
+
+def _trace_result(hit_rates: dict[float, float], ttft_p90_ms: float) -> dict:
+    runs = [{"time_scale": scale, "ttft_ms": {"p50": ttft_p90_ms / 2, "p90": ttft_p90_ms},
+             "e2e_ms": {"p50": 1.0, "p90": 2 * ttft_p90_ms}, "goodput_requests_per_s": 1.0,
+             "prefix_cache": {"hit_rate": rate}, "infinite_cache_hit_rate": 0.5} for scale, rate in hit_rates.items()]
+    return {"runs": runs}
+
+
+def test_trace_runs_summarized_per_scale_against_the_baseline_paired_by_repeat():
+    """Medians (min–max) per policy and scale; ratios to bare paired by repeat; disjoint ranges give a verdict."""
+    runs = {"bare": [_trace_result({2.0: 0.10, 1.0: 0.1}, 1000.0), _trace_result({2.0: 0.12, 1.0: 0.1}, 1200.0),
+                     _trace_result({2.0: 0.11, 1.0: 0.1}, 800.0)],
+            "prefix_aware": [_trace_result({2.0: 0.40, 1.0: 0.1}, 500.0), _trace_result({2.0: 0.45, 1.0: 0.1}, 300.0),
+                             _trace_result({2.0: 0.44, 1.0: 0.1}, 900.0)]}
+    summary = summarize_trace_runs(runs, "bare")
+    pa = summary["prefix_aware"]["2"]
+    assert pa["repeats"] == 3 and pa["metrics"]["hit_rate"]["median"] == pytest.approx(0.44)
+    assert pa["metrics"]["hit_rate_vs_infinite_cache"]["median"] == pytest.approx(0.88)
+    assert pa["vs_bare"]["hit_rate"]["ratio"]["median"] == pytest.approx(0.44 / 0.11)
+    assert pa["vs_bare"]["hit_rate"]["verdict"] == "better"
+    assert pa["vs_bare"]["ttft_p90_ms"]["verdict"] == "no difference"  # 300–900 overlaps 800–1200
+    assert "vs_bare" not in summary["bare"]["2"] and set(summary["bare"]) == {"2", "1"}
+    assert baseline_policy(["prefix_aware", "pow2"]) == "pow2" and baseline_policy(["a", "bare"]) == "bare"
+    assert baseline_policy(["prefix_aware"]) == "prefix_aware"
+
+
+def test_compare_report_shows_each_policy_scale_and_the_order():
+    """The compare report has a row per policy and scale, the ratio table, the order and the few-repeats warning."""
+    from kvtide.benchmarks.protocol import provenance
+
+    runs = {"bare": [_trace_result({2.0: 0.1}, 1000.0)], "prefix_aware": [_trace_result({2.0: 0.4}, 500.0)]}
+    for policy, results in runs.items():
+        for r in results:
+            r.update(repeat=0, trace={"path": "t.jsonl", "sha256": "ab" * 32})
+            r["runs"][0].update(scaling={k: None for k in ("block_tokens", "max_input_tokens", "over_long",
+                                                           "output_scale", "max_output_tokens", "limit", "start_s",
+                                                           "duration_s")} | {"num_sent": 40},
+                                client_exit_code=0, num_errors=0, num_requests=40)
+    results = {"kind": "trace_compare", "provenance": provenance(["kvtide", "bench", "trace"], gpu_info=[]),
+               "client": {"name": "vllm-bench", "version": "0.26.0"}, "hardware": "1 × H100", "notes": [],
+               "slo_ttft_ms": 1000.0, "repeats": 1, "baseline": "bare", "order": [["bare", 0], ["prefix_aware", 0]],
+               "policies": runs, "failed": {}, "summary": summarize_trace_runs(runs, "bare")}
+    text = compare_markdown(results)
+    assert "| prefix_aware | 2 | 1 | 250 | 500 | 1000 | 1.00 | 0.400 | 0.80 |" in text
+    assert "| prefix_aware | 2 | 0.50× better | 0.50× better | 1.00× no difference | 4.00× better |" in text
+    assert "Against `bare`" in text and "Order: bare #1, prefix_aware #1" in text
+    assert "too few to tell a difference from noise" in text
