@@ -594,6 +594,18 @@ def _levels(text: str) -> list[int]:
     return levels
 
 
+def add_compare_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a command that starts each policy's servers as `kvtide bench compare` does (Servers)."""
+    cmp = p.add_argument_group("policies compared (servers started as `kvtide bench compare` starts them)")
+    cmp.add_argument("--policies", help="comma list, e.g. prefix_aware,pow2,bare")
+    cmp.add_argument("--config", help="kvtide config (default: the embedded one)")
+    cmp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    cmp.add_argument("--repeats", type=int, default=3, help="fresh starts per policy, order rotated (default 3)")
+    cmp.add_argument("--bare-balancer", choices=("auto", "haproxy", "python"), default="auto",
+                     help="the bare fleet's round robin (as in bench compare)")
+    cmp.add_argument("--hardware", default="", help="what it ran on, for the report")
+
+
 def add_parser(sub: argparse._SubParsersAction, servers: Servers) -> None:
     """Add `bench agentic` to the `bench` subcommands (`servers`: benchmarks/cli.py's, see Servers)."""
     p = sub.add_parser("agentic", help="agent sessions with tools through chat, Messages and Responses, against a "
@@ -603,14 +615,7 @@ def add_parser(sub: argparse._SubParsersAction, servers: Servers) -> None:
     one.add_argument("--base-url", help="running OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     one.add_argument("--metrics-url", help="its Prometheus text, for the engine's prefix-cache counters")
     one.add_argument("--model", help="served model name to send")
-    cmp = p.add_argument_group("policies compared (servers started as `kvtide bench compare` starts them)")
-    cmp.add_argument("--policies", help="comma list, e.g. prefix_aware,pow2,bare")
-    cmp.add_argument("--config", help="kvtide config (default: the embedded one)")
-    cmp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    cmp.add_argument("--repeats", type=int, default=3, help="fresh starts per policy, order rotated (default 3)")
-    cmp.add_argument("--bare-balancer", choices=("auto", "haproxy", "python"), default="auto",
-                     help="the bare fleet's round robin (as in bench compare)")
-    cmp.add_argument("--hardware", default="", help="what it ran on, for the report")
+    add_compare_flags(p)
     defaults = AgenticParams()
     w = p.add_argument_group("workload")
     w.add_argument("--sessions", type=int, default=defaults.num_sessions)

@@ -1099,6 +1099,8 @@ def _scales(text: str) -> list[float]:
 
 def add_parser(sub: argparse._SubParsersAction, servers: Servers) -> None:
     """Add `bench trace` to the `bench` subcommands (`servers`: benchmarks/cli.py's, see agentic.Servers)."""
+    from kvtide.benchmarks.agentic import add_compare_flags
+
     p = sub.add_parser("trace", help="replay a Mooncake-format trace with its arrival times through aiperf or vllm "
                                      "bench serve, against a running server (--base-url) or one fresh server per "
                                      "policy (--policies); report TTFT, e2e, goodput and the engines' hit rate")
@@ -1113,14 +1115,7 @@ def add_parser(sub: argparse._SubParsersAction, servers: Servers) -> None:
                      help="its Prometheus text: kvtide's Ray metrics port (http://127.0.0.1:8080/metrics) or bare "
                           "vLLM's BASE/metrics")
     one.add_argument("--model", help="served model name to send")
-    cmp = p.add_argument_group("policies compared (servers started as `kvtide bench compare` starts them)")
-    cmp.add_argument("--policies", help="comma list, e.g. prefix_aware,pow2,bare")
-    cmp.add_argument("--config", help="kvtide config (default: the embedded one)")
-    cmp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    cmp.add_argument("--repeats", type=int, default=3, help="fresh starts per policy, order rotated (default 3)")
-    cmp.add_argument("--bare-balancer", choices=("auto", "haproxy", "python"), default="auto",
-                     help="the bare fleet's round robin (as in bench compare)")
-    cmp.add_argument("--hardware", default="", help="what it ran on, for the report")
+    add_compare_flags(p)
     g = p.add_argument_group("scaling (module docstring: the order they apply in)")
     g.add_argument("--block-tokens", type=int, required=True,
                    help="tokens per hash id (a multiple of the engine's block size)")

@@ -12,11 +12,13 @@ the packaging maps each to a subpackage of `kvtide` (pyproject.toml, [tool.setup
     dashboards/   -> kvtide.dashboards    metric catalog, dashboards and alerts as code
     cluster/      -> kvtide.cluster       app builder, CLI, local bootstrap, serve-config
     benchmarks/   -> kvtide.benchmarks    load generator, workloads, comparisons (drives local clusters)
+    simulator/    -> kvtide.simulator     trace-driven fleet simulation on kvtide's own router code
 
-Layering, bottom to top: config <- autoscaling <- deployments <- dashboards <- cluster <- benchmarks.
+Layering, bottom to top: config <- autoscaling <- deployments <- dashboards <- cluster <- benchmarks
+<- simulator.
 A package imports only packages below it, and no module imports one that imports it back;
-the CLI finds the `kvtide bench` commands through the `kvtide.commands` entry points rather
-than importing benchmarks. tests/unit/test_packaging.py pins all three.
+the CLI finds the `kvtide bench` and `kvtide simulate` commands through the `kvtide.commands` entry
+points rather than importing them. tests/unit/test_packaging.py pins all three.
 """
 
 __version__ = "0.1.0"

@@ -21,7 +21,7 @@ except ModuleNotFoundError:  # Python 3.10: the tomli pip vendors
 REPO = Path(__file__).resolve().parents[2]
 
 # The layers, bottom to top; kvtide/__init__.py and docs/architecture.md state the same order.
-LAYERS = ("config", "autoscaling", "deployments", "dashboards", "cluster", "benchmarks")
+LAYERS = ("config", "autoscaling", "deployments", "dashboards", "cluster", "benchmarks", "simulator")
 
 # Each package and the kvtide packages it imports (besides itself): only layers below it, and
 # only those it does import. Where an upper layer must be reachable from a lower one it is
@@ -33,6 +33,7 @@ ALLOWED_IMPORTS = {
     "dashboards": {"config"},
     "cluster": {"config", "autoscaling", "deployments", "dashboards"},
     "benchmarks": {"config", "autoscaling", "deployments", "cluster"},
+    "simulator": {"config", "deployments", "benchmarks"},
 }
 
 
@@ -210,12 +211,13 @@ def test_the_cli_finds_the_bench_commands_through_entry_points():
 
     from kvtide.cluster.cli import COMMANDS_GROUP, build_parser
 
-    assert {ep.name: ep.value for ep in entry_points(group=COMMANDS_GROUP)} == {
-        "bench": "kvtide.benchmarks.cli:register"}, "reinstall: pip install --no-deps -e ."
+    commands = {"bench": "kvtide.benchmarks.cli:register", "simulate": "kvtide.simulator.cli:register"}
+    assert {ep.name: ep.value for ep in entry_points(group=COMMANDS_GROUP)} == commands, \
+        "reinstall: pip install --no-deps -e ."
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"][COMMANDS_GROUP]
-    assert declared == {"bench": "kvtide.benchmarks.cli:register"}
+    assert declared == commands
     (subcommands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    assert {"serve", "plan", "dashboards", "bench"} <= set(subcommands.choices)
+    assert {"serve", "plan", "dashboards", "bench", "simulate"} <= set(subcommands.choices)
 
 
 def test_serve_import_path_does_not_load_vllm():
@@ -241,7 +243,8 @@ def test_wheel_installs_only_the_kvtide_import_name(tmp_path):
     assert {t for t in top_level if not t.endswith(".dist-info")} == {"kvtide"}
     for module in ("kvtide/config/model.py", "kvtide/deployments/routing/policy.py", "kvtide/cluster/app.py",
                    "kvtide/config/presets/cpu.yaml", "kvtide/dashboards/generated/alerts.rules.yaml",
-                   "kvtide/autoscaling/control_law.py", "kvtide/benchmarks/loadgen.py"):
+                   "kvtide/autoscaling/control_law.py", "kvtide/benchmarks/loadgen.py", "kvtide/simulator/fleet.py",
+                   "kvtide/simulator/profiles/llama-8b-h100.json"):
         assert module in names
 
 

@@ -1,0 +1,146 @@
+"""`kvtide simulate`: a fleet of simulated engines behind kvtide's own router, replaying a trace.
+
+    kvtide simulate run --trace ../shared/traces/mooncake-synthetic.jsonl --replicas 8 \\
+        --policies prefix_aware,pow2,round_robin --profile llama-8b-h100 --kv-gib 16 \\
+        --block-tokens 64 --time-scale 0.5 --out-dir OUT
+    kvtide simulate fit --overhead-results benchmarks/results/h100-session-2026-12-06/paired/results.json \\
+        --server vllm --name llama-8b-h100 --out simulator/profiles/llama-8b-h100.json
+
+`run` scales the trace as `kvtide bench trace` does (benchmarks/trace_replay.scale_trace: the same
+window, block size, truncation, output cap and time scale, so a simulated run and a GPU replay
+send the same requests), runs each policy on a fresh fleet, and writes OUT/results.json and
+OUT/report.md. `fit` fits a profile's step coefficients to a committed overhead run
+(simulator/profile.py says how).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_SLO_TTFT_S = 1.0
+
+
+def _policies(text: str) -> list[str]:
+    from kvtide.simulator.fleet import POLICIES
+
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in names if p not in POLICIES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"policies are {', '.join(POLICIES)}; got {text!r}")
+    return names
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `simulate run` and `simulate fit` to the kvtide CLI."""
+    sim = subparsers.add_parser("simulate", help="simulate a fleet behind kvtide's router on a trace")
+    sub = sim.add_subparsers(dest="simulate_command", required=True)
+    run = sub.add_parser("run", help="replay a trace on N simulated engines, once per policy")
+    run.add_argument("--trace", help="Mooncake-format JSON lines (default: the shared synthetic trace)")
+    run.add_argument("--replicas", type=int, required=True, help="engine replicas")
+    run.add_argument("--policies", type=_policies, default=["prefix_aware", "pow2", "round_robin"])
+    run.add_argument("--profile", default="llama-8b-h100", help="a committed profile's name, or a profile JSON")
+    run.add_argument("--kv-gib", type=float, required=True, help="KV cache per replica, GiB")
+    run.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    run.add_argument("--max-num-seqs", type=int, default=256)
+    run.add_argument("--report-delay-s", type=float, default=0.0, help="engine report → router, seconds")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="routing config override, e.g. --set routing.tie_band_tokens=0 (repeatable)")
+    run.add_argument("--slo-ttft-s", type=float, default=DEFAULT_SLO_TTFT_S)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--out-dir", required=True)
+    g = run.add_argument_group("scaling (as `kvtide bench trace`)")
+    g.add_argument("--block-tokens", type=int, required=True)
+    g.add_argument("--max-input-tokens", type=int)
+    g.add_argument("--over-long", choices=("drop", "truncate"), default="drop")
+    g.add_argument("--time-scale", type=float, default=1.0)
+    g.add_argument("--output-scale", type=float, default=1.0)
+    g.add_argument("--max-output-tokens", type=int)
+    g.add_argument("--limit", type=int)
+    g.add_argument("--start-s", type=float, default=0.0)
+    g.add_argument("--duration-s", type=float)
+    run.set_defaults(func=cmd_run)
+    fit = sub.add_parser("fit", help="fit a profile's step coefficients to a committed overhead run")
+    fit.add_argument("--overhead-results", required=True, help="an overhead run's results.json (paired or single)")
+    fit.add_argument("--server", default="vllm", help="whose levels to fit (default: bare vLLM)")
+    fit.add_argument("--name", required=True)
+    fit.add_argument("--block-size", type=int, default=16)
+    fit.add_argument("--kv-bytes-per-token", type=int, required=True,
+                     help="2 × layers × KV heads × head dim × dtype bytes (Llama-3.1-8B: 131072)")
+    fit.add_argument("--prompt-tokens", type=int, default=512)
+    fit.add_argument("--output-tokens", type=int, default=128)
+    fit.add_argument("--out", required=True)
+    fit.set_defaults(func=cmd_fit)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from kvtide.benchmarks.trace_replay import ScaleOptions, default_trace_path, read_trace, scale_trace
+    from kvtide.config import ConfigError, default_config_path, load_config
+    from kvtide.simulator.fleet import FleetSim, SimConfig, TraceItem, sim_requests
+    from kvtide.simulator.profile import load_profile
+    from kvtide.simulator.report import report_markdown, summarize
+
+    try:
+        routing = load_config(default_config_path(), args.overrides).routing
+        profile = load_profile(args.profile)
+        trace = args.trace or default_trace_path()
+        scaled = scale_trace(read_trace(trace), ScaleOptions(
+            block_tokens=args.block_tokens, time_scale=args.time_scale, output_scale=args.output_scale,
+            max_input_tokens=args.max_input_tokens, over_long=args.over_long,
+            max_output_tokens=args.max_output_tokens, limit=args.limit, start_s=args.start_s,
+            duration_s=args.duration_s))
+        limits = profile.limits(int(args.kv_gib * 2**30), args.max_num_batched_tokens, args.max_num_seqs)
+    except (ConfigError, ValueError) as exc:
+        print(f"kvtide simulate: {exc}", file=sys.stderr)
+        return 2
+    items = [TraceItem(r.timestamp_ms, r.input_length, r.output_length, r.hash_ids) for r in scaled.requests]
+    config = SimConfig(num_replicas=args.replicas, limits=limits, profile=profile.step, routing=routing,
+                       report_delay_s=args.report_delay_s, seed=args.seed)
+    results: dict[str, Any] = {
+        "kind": "simulated_fleet", "command": shlex.join(["kvtide", *sys.argv[1:]]),
+        "description": (f"{args.replicas} simulated replicas ({profile.name}: {limits.num_blocks} blocks of "
+                        f"{limits.block_size} tokens each), {len(items)} requests of `{trace}` "
+                        f"(block tokens {args.block_tokens}, time scale {args.time_scale:g})."),
+        "profile": dict(profile.raw), "limits": limits.__dict__, "slo_ttft_s": args.slo_ttft_s,
+        "policies": {},
+    }
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for policy in args.policies:
+        requests = sim_requests(items, args.block_tokens, limits.block_size)
+        result = FleetSim(config, policy).run(requests)
+        results["policies"][policy] = summarize(result, args.slo_ttft_s)
+        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        print(f"kvtide simulate: {policy}: {json.dumps(results['policies'][policy])}", flush=True)
+    (out / "report.md").write_text(report_markdown(results))
+    print(report_markdown(results))
+    return 0
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from kvtide.simulator.profile import Level, fit_closed_loop
+
+    data = json.loads(Path(args.overhead_results).read_text())
+    try:
+        server = data["servers"][args.server]
+    except KeyError:
+        print(f"kvtide simulate fit: no server {args.server!r} in {args.overhead_results}", file=sys.stderr)
+        return 2
+    levels = [Level(int(c), level["metrics"]["output_tokens_per_s"]["median"], level["metrics"]["ttft_p50_s"]["median"])
+              for c, level in sorted(server["levels"].items(), key=lambda kv: int(kv[0]))]
+    fitted = fit_closed_loop(levels, args.prompt_tokens, args.output_tokens)
+    profile = {"name": args.name, "model": data.get("hardware"), "block_size": args.block_size,
+               "kv_bytes_per_token": args.kv_bytes_per_token, "step": fitted["step"],
+               "fit": {"source": args.overhead_results, "server": args.server,
+                       "engine_config": server.get("engine_config"),
+                       "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+                       "equations": fitted["equations"],
+                       "command": shlex.join(["kvtide", *sys.argv[1:]])}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(profile, indent=2) + "\n")
+    print(json.dumps(profile["step"], indent=2))
+    return 0

@@ -1,0 +1,304 @@
+"""A fleet of simulated engines behind kvtide's own router code, in simulated time.
+
+The loop is discrete-event: request arrivals (from a trace), engine step ends, and report ticks.
+No wall clock is read for any decision: every component takes the simulated time `now_s`.
+
+    arrival      the policy picks a replica, the request joins that engine's waiting queue; an
+                 idle engine starts a step at once
+    step end     the step's results land: first tokens and finished requests are recorded, the
+                 blocks it stored and evicted go to the replica's DigestJournal (the engine
+                 side of kvtide's digest protocol), and the engine steps again while it has work
+    report tick  every `stats_period_s`, each replica builds the stats an engine replica returns
+                 from record_routing_stats (load, pending prefill, drain rate, recent request
+                 durations, a CacheDigest); the router receives them `report_delay_s` later
+
+What decides is kvtide's code, unmodified (tests/unit/test_sim_fleet.py pins that no copy exists):
+prefix_aware goes through `deployments.routing.fleet.FleetView` and `policy.RouterState` in the
+order the pick-only router (`deployments.routing.ray_router.PrefixAwareRouter`) calls them; pow2
+is Ray's power of two choices as kvtide's baseline completes it for pick-only calls (two replicas
+sampled, the shorter queue by `pick_load.PickOnlyLoad`, ties at random); round_robin is load- and
+cache-blind. The engine model (`simulator.engine`) stands in for vLLM.
+
+Block names: a trace's hash id stands for one block of `block_tokens` tokens *and* its whole
+prefix (Mooncake's convention), so the engine blocks inside it are named by (hash id, position):
+equal names mean equal prefixes, as kvtide's chained hashes do.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
+
+from kvtide.config.routing import RoutingConfig
+from kvtide.deployments.routing.digest_journal import DigestJournal
+from kvtide.deployments.routing.fleet import FleetView
+from kvtide.deployments.routing.pick_load import PickOnlyLoad, RecentDurations
+from kvtide.deployments.routing.policy import RouterState
+from kvtide.simulator.engine import EngineLimits, EngineModel, SimRequest, StepProfile, StepResult
+
+POLICIES = ("prefix_aware", "pow2", "round_robin")
+# Engine blocks inside one trace block are numbered in the low bits of their name.
+_POSITION_BITS = 12
+
+
+def block_name(hash_id: int, position: int) -> int:
+    """The name (a uint64, as kvtide's block hashes are) of engine block `position` of trace block `hash_id`."""
+    if not 0 <= position < 1 << _POSITION_BITS:
+        raise ValueError(f"block position {position} outside 0..{(1 << _POSITION_BITS) - 1}")
+    return ((hash_id << _POSITION_BITS) | position) & 0xFFFF_FFFF_FFFF_FFFF
+
+
+@dataclass(frozen=True)
+class TraceItem:
+    """One request of a trace, as the simulator reads it (Mooncake's fields; timestamps in ms)."""
+
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def sim_requests(items: Sequence[TraceItem], block_tokens: int, block_size: int) -> list[SimRequest]:
+    """The trace's requests for the engine model: each hash id is `block_tokens // block_size` engine blocks.
+
+    `block_tokens` must be a multiple of the engine's `block_size`; a prompt longer than its hash ids
+    cover gets no names for the rest (it never hits there), one shorter keeps only the blocks it fills.
+    """
+    if block_tokens % block_size:
+        raise ValueError(f"block_tokens ({block_tokens}) must be a multiple of the engine block size ({block_size})")
+    per_id = block_tokens // block_size
+    out = []
+    for i, item in enumerate(items):
+        names = [block_name(h, j) for h in item.hash_ids for j in range(per_id)]
+        out.append(SimRequest(request_id=str(i), arrival_s=item.timestamp_ms / 1000.0,
+                              block_hashes=tuple(names[:item.input_length // block_size]),
+                              prompt_tokens=item.input_length, output_tokens=max(1, item.output_length)))
+    return out
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated fleet: its size, each engine's limits and step profile, and how reports travel."""
+
+    num_replicas: int
+    limits: EngineLimits
+    profile: StepProfile
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    report_delay_s: float = 0.0  # report tick → the router applies it (Ray's push; the long poll)
+    seed: int = 0
+
+    @property
+    def stats_period_s(self) -> float:
+        return self.routing.stats_period_s
+
+
+class Policy(Protocol):
+    name: str
+
+    def on_report(self, stats_by_replica: Mapping[str, Mapping[str, Any]], now_s: float) -> None: ...
+
+    def pick(self, request: SimRequest, replica_ids: Sequence[str], now_s: float) -> str: ...
+
+
+class PrefixAware:
+    """kvtide's router, called as the pick-only router calls it (ray_router.PrefixAwareRouter.choose_replicas)."""
+
+    name = "prefix_aware"
+
+    def __init__(self, routing: RoutingConfig, block_size: int, rng: random.Random):
+        self.state = RouterState(routing, block_size)
+        self.fleet = FleetView(self.state)  # digests applied at once: the simulated router has no loop to share
+        self.rng = rng
+
+    def on_report(self, stats_by_replica: Mapping[str, Mapping[str, Any]], now_s: float) -> None:
+        self.fleet.sync(stats_by_replica, now_s)
+
+    def pick(self, request: SimRequest, replica_ids: Sequence[str], now_s: float) -> str:
+        hashes = request.block_hashes
+        snapshots = self.fleet.snapshots(((rid, None) for rid in replica_ids), now_s)
+        decision = self.state.rank(hashes, snapshots, self.rng, now_s=now_s)
+        picked = decision.ranked[0]
+        self.fleet.book_pick(picked, len(hashes) * self.state.block_size - decision.matched_tokens, now_s)
+        self.state.on_routed(picked, hashes, now_s)
+        return picked
+
+
+class Pow2:
+    """Power of two choices as kvtide's pow2 baseline completes Ray's for pick-only calls
+    (ray_baselines.PickOnlyShortestQueue): two replicas sampled, the shorter queue wins, ties at random."""
+
+    name = "pow2"
+
+    def __init__(self, rng: random.Random):
+        self.load = PickOnlyLoad()
+        self.rng = rng
+
+    def on_report(self, stats_by_replica: Mapping[str, Mapping[str, Any]], now_s: float) -> None:
+        self.load.sync(stats_by_replica)
+
+    def pick(self, request: SimRequest, replica_ids: Sequence[str], now_s: float) -> str:
+        rank = self.rng.sample(list(replica_ids), min(2, len(replica_ids)))
+        best = min(rank, key=lambda rid: (self.load.queued(rid), self.rng.random()))
+        self.load.book(best)
+        return best
+
+
+class RoundRobin:
+    """Each request to the next replica in turn (bare vLLM behind a round-robin balancer)."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def on_report(self, stats_by_replica: Mapping[str, Mapping[str, Any]], now_s: float) -> None:
+        pass
+
+    def pick(self, request: SimRequest, replica_ids: Sequence[str], now_s: float) -> str:
+        picked = replica_ids[self.next % len(replica_ids)]
+        self.next += 1
+        return picked
+
+
+def make_policy(name: str, config: SimConfig, rng: random.Random) -> Policy:
+    if name == "prefix_aware":
+        return PrefixAware(config.routing, config.limits.block_size, rng)
+    if name == "pow2":
+        return Pow2(rng)
+    if name == "round_robin":
+        return RoundRobin()
+    raise ValueError(f"policy {name!r}: choose one of {', '.join(POLICIES)}")
+
+
+class SimReplica:
+    """One engine and what its replica reports: the block set in kvtide names, its journal, recent durations."""
+
+    def __init__(self, replica_id: str, config: SimConfig):
+        self.replica_id = replica_id
+        self.engine = EngineModel(config.limits, config.profile)
+        self.journal = DigestJournal(replica_id, epoch=1)
+        self.held: set[int] = set()
+        self.durations = RecentDurations()
+        self.stepping = False  # a step is in flight (its end is on the event queue)
+        self.prefill_tokens_since_report = 0
+        self.last_report_s = 0.0
+
+    def land(self, result: StepResult) -> None:
+        """A step's cache changes, as the engine's KV events would tell the tracker."""
+        for name in result.stored:
+            if name not in self.held:
+                self.held.add(name)
+                self.journal.stored(name)
+        for name in result.removed:
+            if name in self.held:
+                self.held.discard(name)
+                self.journal.removed(name)
+        self.prefill_tokens_since_report += result.prefill_tokens
+        for request in result.finished:
+            self.durations.observe(request.finished_s - request.arrival_s)
+
+    def stats(self, now_s: float) -> dict[str, Any]:
+        """What record_routing_stats returns (deployments.engine.replica), from the model's numbers."""
+        engine = self.engine
+        elapsed_s = now_s - self.last_report_s
+        rate = self.prefill_tokens_since_report / elapsed_s if elapsed_s > 0 else 0.0
+        self.prefill_tokens_since_report, self.last_report_s = 0, now_s
+        return {"reported_s": now_s, "num_running": engine.num_running, "num_waiting": engine.num_waiting,
+                "kv_usage_perc": engine.kv_usage, "pending_prefill_tokens": engine.pending_prefill_tokens,
+                "prefill_tokens_per_s": rate, "request_durations_s": self.durations.quantiles(),
+                "digest": self.journal.digest(self.held, now_s)}
+
+
+@dataclass
+class SimResult:
+    """Per-request outcomes, per-replica samples at each report tick, and the router's own wall time."""
+
+    policy: str
+    requests: list[SimRequest]
+    replica_of: dict[str, str]
+    samples: list[tuple[float, str, int, int, float]]  # (t, replica, running, waiting, kv usage)
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    num_preemptions: int
+    decision_wall_s: list[float]
+    end_s: float
+
+
+# Event kinds, in the order they apply at one instant: a step's results land before a report is
+# taken, and both before an arrival is routed.
+_STEP_END, _REPORT_TICK, _REPORT_ARRIVES, _ARRIVAL = range(4)
+
+
+class FleetSim:
+    """N engine replicas behind one policy, driven by `requests` (arrival_s set, any order)."""
+
+    def __init__(self, config: SimConfig, policy: str):
+        self.config = config
+        self.rng = random.Random(config.seed)
+        self.policy = make_policy(policy, config, self.rng)
+        self.replicas = [SimReplica(f"replica-{i}", config) for i in range(config.num_replicas)]
+        self.replica_ids = [r.replica_id for r in self.replicas]
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._order = 0
+
+    def _push(self, at_s: float, kind: int, payload: Any) -> None:
+        self._order += 1
+        heapq.heappush(self._events, (at_s, kind, self._order, payload))
+
+    def _step(self, replica: SimReplica, now_s: float) -> None:
+        result = replica.engine.step(now_s)
+        if result.duration_s <= 0.0:  # nothing schedulable: an arrival restarts it
+            replica.stepping = False
+            replica.land(result)
+            return
+        replica.stepping = True
+        self._push(now_s + result.duration_s, _STEP_END, (replica, result))
+
+    def run(self, requests: Sequence[SimRequest]) -> SimResult:
+        for request in requests:
+            self._push(request.arrival_s, _ARRIVAL, request)
+        last_arrival_s = max((r.arrival_s for r in requests), default=0.0)
+        period_s = self.config.stats_period_s
+        self._push(period_s, _REPORT_TICK, None)
+        replica_of: dict[str, str] = {}
+        samples: list[tuple[float, str, int, int, float]] = []
+        decision_wall_s: list[float] = []
+        by_id = {r.replica_id: r for r in self.replicas}
+        now_s = 0.0
+        while self._events:
+            now_s, kind, _, payload = heapq.heappop(self._events)
+            if kind == _STEP_END:
+                replica, result = payload
+                replica.land(result)
+                if replica.engine.has_work():
+                    self._step(replica, now_s)
+                else:
+                    replica.stepping = False
+            elif kind == _REPORT_TICK:
+                stats = {r.replica_id: r.stats(now_s) for r in self.replicas}
+                samples.extend((now_s, rid, s["num_running"], s["num_waiting"], s["kv_usage_perc"])
+                               for rid, s in stats.items())
+                self._push(now_s + self.config.report_delay_s, _REPORT_ARRIVES, stats)
+                if now_s < last_arrival_s or any(r.engine.has_work() for r in self.replicas):
+                    self._push(now_s + period_s, _REPORT_TICK, None)
+            elif kind == _REPORT_ARRIVES:
+                self.policy.on_report(payload, now_s)
+            else:
+                request = payload
+                started = time.perf_counter()
+                rid = self.policy.pick(request, self.replica_ids, now_s)
+                decision_wall_s.append(time.perf_counter() - started)
+                replica_of[request.request_id] = rid
+                replica = by_id[rid]
+                replica.engine.add(request)
+                if not replica.stepping:
+                    self._step(replica, now_s)
+        engines = [r.engine for r in self.replicas]
+        return SimResult(policy=self.policy.name, requests=list(requests), replica_of=replica_of, samples=samples,
+                         prefix_queries_tokens=sum(e.prefix_queries_tokens for e in engines),
+                         prefix_hits_tokens=sum(e.prefix_hits_tokens for e in engines),
+                         num_preemptions=sum(e.num_preemptions for e in engines), decision_wall_s=decision_wall_s,
+                         end_s=now_s)
