@@ -3,13 +3,15 @@
     kvtide simulate run --trace ../shared/traces/mooncake-synthetic.jsonl --replicas 8 \\
         --policies prefix_aware,pow2,round_robin --profile llama-8b-h100 --kv-gib 16 \\
         --block-tokens 64 --time-scale 0.5 --out-dir OUT
+    kvtide simulate plan --trace FILE --slo-ttft-p90-ms 500 --kv-gib 16 --block-tokens 64 --out-dir OUT
     kvtide simulate fit --overhead-results benchmarks/results/h100-session-2026-12-06/paired/results.json \\
         --server vllm --name llama-8b-h100 --out simulator/profiles/llama-8b-h100.json
 
 `run` scales the trace as `kvtide bench trace` does (benchmarks/trace_replay.scale_trace: the same
 window, block size, truncation, output cap and time scale, so a simulated run and a GPU replay
 send the same requests), runs each policy on a fresh fleet, and writes OUT/results.json and
-OUT/report.md. `fit` fits a profile's step coefficients to a committed overhead run
+OUT/report.md. `plan` finds the smallest replica count whose simulated TTFT p90 meets the
+objective, per policy (simulator/plan.py). `fit` fits a profile's step coefficients to a committed overhead run
 (simulator/profile.py says how).
 """
 
@@ -19,6 +21,7 @@ import argparse
 import json
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,35 +38,51 @@ def _policies(text: str) -> list[str]:
     return names
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `simulate run` and `simulate fit` to the kvtide CLI."""
-    sim = subparsers.add_parser("simulate", help="simulate a fleet behind kvtide's router on a trace")
-    sub = sim.add_subparsers(dest="simulate_command", required=True)
-    run = sub.add_parser("run", help="replay a trace on N simulated engines, once per policy")
-    run.add_argument("--trace", help="Mooncake-format JSON lines (default: the shared synthetic trace)")
-    run.add_argument("--replicas", type=int, required=True, help="engine replicas")
-    run.add_argument("--policies", type=_policies, default=["prefix_aware", "pow2", "round_robin"])
-    run.add_argument("--profile", default="llama-8b-h100", help="a committed profile's name, or a profile JSON")
-    run.add_argument("--kv-gib", type=float, required=True, help="KV cache per replica, GiB")
-    run.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    run.add_argument("--max-num-seqs", type=int, default=256)
-    run.add_argument("--report-delay-s", type=float, default=0.0, help="engine report → router, seconds")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="routing config override, e.g. --set routing.tie_band_tokens=0 (repeatable)")
-    run.add_argument("--slo-ttft-s", type=float, default=DEFAULT_SLO_TTFT_S)
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--out-dir", required=True)
-    g = run.add_argument_group("scaling (as `kvtide bench trace`)")
+def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", help="Mooncake-format JSON lines (default: the shared synthetic trace)")
+    p.add_argument("--profile", default="llama-8b-h100", help="a committed profile's name, or a profile JSON")
+    p.add_argument("--kv-gib", type=float, required=True, help="KV cache per replica, GiB")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--report-delay-s", type=float, default=0.0, help="engine report → router, seconds")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="routing config override, e.g. --set routing.tie_band_tokens=0 (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", required=True)
+    g = p.add_argument_group("scaling (as `kvtide bench trace`)")
     g.add_argument("--block-tokens", type=int, required=True)
     g.add_argument("--max-input-tokens", type=int)
     g.add_argument("--over-long", choices=("drop", "truncate"), default="drop")
     g.add_argument("--time-scale", type=float, default=1.0)
+    g.add_argument("--utilization", type=float,
+                   help="instead of --time-scale: load the fleet's prefill capacity to this share with the "
+                        "trace's unavoidable prefill (simulator.fleet.time_scale_for)")
+    g.add_argument("--copies", type=int, default=1,
+                   help="tenants replaying the trace at once, each with its own hash ids (fleet.tenant_copies)")
     g.add_argument("--output-scale", type=float, default=1.0)
     g.add_argument("--max-output-tokens", type=int)
     g.add_argument("--limit", type=int)
     g.add_argument("--start-s", type=float, default=0.0)
     g.add_argument("--duration-s", type=float)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `simulate run` and `simulate fit` to the kvtide CLI."""
+    sim = subparsers.add_parser("simulate", help="simulate a fleet behind kvtide's router on a trace")
+    sub = sim.add_subparsers(dest="simulate_command", required=True)
+    run = sub.add_parser("run", help="replay a trace on N simulated engines, once per policy")
+    run.add_argument("--replicas", type=int, required=True, help="engine replicas")
+    run.add_argument("--policies", type=_policies, default=["prefix_aware", "pow2", "round_robin"])
+    run.add_argument("--slo-ttft-s", type=float, default=DEFAULT_SLO_TTFT_S, help="TTFT objective for goodput")
+    _add_fleet_flags(run)
     run.set_defaults(func=cmd_run)
+    plan = sub.add_parser("plan", help="the smallest replica count whose simulated TTFT p90 meets an objective")
+    plan.add_argument("--slo-ttft-p90-ms", type=float, required=True)
+    plan.add_argument("--policies", type=_policies, default=["prefix_aware", "round_robin"])
+    plan.add_argument("--min-replicas", type=int, default=1)
+    plan.add_argument("--max-replicas", type=int, default=256)
+    _add_fleet_flags(plan)
+    plan.set_defaults(func=cmd_plan)
     fit = sub.add_parser("fit", help="fit a profile's step coefficients to a committed overhead run")
     fit.add_argument("--overhead-results", required=True, help="an overhead run's results.json (paired or single)")
     fit.add_argument("--server", default="vllm", help="whose levels to fit (default: bare vLLM)")
@@ -77,36 +96,53 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.set_defaults(func=cmd_fit)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def _setup(args: argparse.Namespace, num_replicas: int) -> tuple[Any, list[Any], Any, str]:
+    """(SimConfig, trace items, profile, trace path) from the shared flags; ValueError/ConfigError name a bad one."""
     from kvtide.benchmarks.trace_replay import ScaleOptions, default_trace_path, read_trace, scale_trace
-    from kvtide.config import ConfigError, default_config_path, load_config
-    from kvtide.simulator.fleet import FleetSim, SimConfig, TraceItem, sim_requests
+    from kvtide.config import default_config_path, load_config
+    from kvtide.simulator.fleet import SimConfig, TraceItem, tenant_copies, time_scale_for
     from kvtide.simulator.profile import load_profile
+
+    routing = load_config(default_config_path(), args.overrides).routing
+    profile = load_profile(args.profile)
+    trace = args.trace or default_trace_path()
+    scaled = scale_trace(read_trace(trace), ScaleOptions(
+        block_tokens=args.block_tokens, time_scale=1.0, output_scale=args.output_scale,
+        max_input_tokens=args.max_input_tokens, over_long=args.over_long,
+        max_output_tokens=args.max_output_tokens, limit=args.limit, start_s=args.start_s,
+        duration_s=args.duration_s))
+    limits = profile.limits(int(args.kv_gib * 2**30), args.max_num_batched_tokens, args.max_num_seqs)
+    items = tenant_copies([TraceItem(r.timestamp_ms, r.input_length, r.output_length, r.hash_ids)
+                           for r in scaled.requests], args.copies)
+    if args.utilization is not None:
+        args.time_scale = time_scale_for(items, args.utilization, num_replicas, profile.step, limits,
+                                         args.block_tokens)
+    items = [replace(i, timestamp_ms=i.timestamp_ms * args.time_scale) for i in items]
+    config = SimConfig(num_replicas=num_replicas, limits=limits, profile=profile.step, routing=routing,
+                       report_delay_s=args.report_delay_s, seed=args.seed)
+    return config, items, profile, str(trace)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from kvtide.config import ConfigError
+    from kvtide.simulator.fleet import FleetSim, sim_requests
     from kvtide.simulator.report import report_markdown, summarize
 
     try:
-        routing = load_config(default_config_path(), args.overrides).routing
-        profile = load_profile(args.profile)
-        trace = args.trace or default_trace_path()
-        scaled = scale_trace(read_trace(trace), ScaleOptions(
-            block_tokens=args.block_tokens, time_scale=args.time_scale, output_scale=args.output_scale,
-            max_input_tokens=args.max_input_tokens, over_long=args.over_long,
-            max_output_tokens=args.max_output_tokens, limit=args.limit, start_s=args.start_s,
-            duration_s=args.duration_s))
-        limits = profile.limits(int(args.kv_gib * 2**30), args.max_num_batched_tokens, args.max_num_seqs)
+        config, items, profile, trace = _setup(args, args.replicas)
     except (ConfigError, ValueError) as exc:
         print(f"kvtide simulate: {exc}", file=sys.stderr)
         return 2
-    items = [TraceItem(r.timestamp_ms, r.input_length, r.output_length, r.hash_ids) for r in scaled.requests]
-    config = SimConfig(num_replicas=args.replicas, limits=limits, profile=profile.step, routing=routing,
-                       report_delay_s=args.report_delay_s, seed=args.seed)
+    limits = config.limits
     results: dict[str, Any] = {
         "kind": "simulated_fleet", "command": shlex.join(["kvtide", *sys.argv[1:]]),
         "description": (f"{args.replicas} simulated replicas ({profile.name}: {limits.num_blocks} blocks of "
                         f"{limits.block_size} tokens each), {len(items)} requests of `{trace}` "
-                        f"(block tokens {args.block_tokens}, time scale {args.time_scale:g})."),
+                        f"(block tokens {args.block_tokens}, {args.copies} tenant cop{'y' if args.copies == 1 else 'ies'}, time "
+                        f"scale {args.time_scale:.4g}" + (f": {args.utilization:g} of the fleet's prefill capacity"
+                                                          if args.utilization is not None else "") + ")."),
         "profile": dict(profile.raw), "limits": limits.__dict__, "slo_ttft_s": args.slo_ttft_s,
-        "policies": {},
+        "time_scale": args.time_scale, "utilization": args.utilization, "copies": args.copies, "policies": {},
     }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -119,6 +155,38 @@ def cmd_run(args: argparse.Namespace) -> int:
     (out / "report.md").write_text(report_markdown(results))
     print(report_markdown(results))
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kvtide.config import ConfigError
+    from kvtide.simulator.plan import smallest_fleet
+
+    if args.utilization is not None:
+        print("kvtide simulate plan: the load is the trace's (--time-scale, --copies); --utilization would move it "
+              "with each fleet size", file=sys.stderr)
+        return 2
+    try:
+        config, items, profile, trace = _setup(args, args.min_replicas)
+    except (ConfigError, ValueError) as exc:
+        print(f"kvtide simulate plan: {exc}", file=sys.stderr)
+        return 2
+    slo_s = args.slo_ttft_p90_ms / 1000.0
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"kind": "fleet_plan", "command": shlex.join(["kvtide", *sys.argv[1:]]),
+                               "trace": trace, "num_requests": len(items), "profile": dict(profile.raw),
+                               "limits": config.limits.__dict__, "slo_ttft_p90_s": slo_s, "policies": {}}
+    for policy in args.policies:
+        plan = smallest_fleet(config, policy, items, args.block_tokens, slo_s, min_replicas=args.min_replicas,
+                              max_replicas=args.max_replicas)
+        results["policies"][policy] = {"replicas": plan.replicas, "tried": plan.tried}
+        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        curve = ", ".join(f"{n}: {s['ttft_s']['p90'] * 1000:.0f} ms" if s["ttft_s"]["p90"] is not None else f"{n}: –"
+                          for n, s in plan.tried.items())
+        answer = f"{plan.replicas} replicas" if plan.replicas else f"more than {args.max_replicas} replicas"
+        print(f"kvtide simulate plan: {policy}: {answer} for TTFT p90 <= {args.slo_ttft_p90_ms:g} ms "
+              f"(simulated TTFT p90 by size: {curve})", flush=True)
+    return 0 if all(p["replicas"] for p in results["policies"].values()) else 1
 
 
 def cmd_fit(args: argparse.Namespace) -> int:

@@ -250,6 +250,10 @@ class FleetSim:
 
     def _step(self, replica: SimReplica, now_s: float) -> None:
         result = replica.engine.step(now_s)
+        while result.duration_s <= 0.0 and result.preempted and replica.engine.has_work():
+            # The only running request preempted itself: the next step re-admits it (engine.py, 1 and 5).
+            replica.land(result)
+            result = replica.engine.step(now_s)
         if result.duration_s <= 0.0:  # nothing schedulable: an arrival restarts it
             replica.stepping = False
             replica.land(result)
@@ -302,3 +306,45 @@ class FleetSim:
                          prefix_hits_tokens=sum(e.prefix_hits_tokens for e in engines),
                          num_preemptions=sum(e.num_preemptions for e in engines), decision_wall_s=decision_wall_s,
                          end_s=now_s)
+
+
+def tenant_copies(items: Sequence[TraceItem], copies: int) -> list[TraceItem]:
+    """`copies` tenants replaying the same trace at once: copy k's hash ids are moved past every id of copies
+    before it (no block is shared across tenants), its timestamps kept; merged in time order (copy order at
+    equal times). A trace too short for a large fleet keeps each tenant's own reuse pattern this way, where
+    compressing time alone would only shorten the run."""
+    if copies < 1:
+        raise ValueError(f"copies must be at least 1, got {copies}")
+    span = max((h for item in items for h in item.hash_ids), default=-1) + 1
+    merged = [(item.timestamp_ms, k, i, TraceItem(item.timestamp_ms, item.input_length, item.output_length,
+                                                  tuple(h + k * span for h in item.hash_ids)))
+              for k in range(copies) for i, item in enumerate(items)]
+    merged.sort(key=lambda entry: entry[:3])
+    return [entry[3] for entry in merged]
+
+
+def prefill_capacity_tokens_per_s(profile: StepProfile, limits: EngineLimits) -> float:
+    """One engine's prefill throughput with every step full: a budget of prompt tokens per step."""
+    budget = limits.max_num_batched_tokens
+    return budget / profile.step_time_s(budget, 0, budget)
+
+
+def time_scale_for(items: Sequence[TraceItem], utilization: float, num_replicas: int, profile: StepProfile,
+                   limits: EngineLimits, block_tokens: int) -> float:
+    """The timestamp multiplier that loads `num_replicas` engines' prefill capacity to `utilization` with the
+    trace's unavoidable prefill: the tokens of blocks no earlier request had (its infinite-cache misses). A
+    router that hits less than that ceiling loads the fleet more."""
+    if not 0 < utilization:
+        raise ValueError(f"utilization must be positive, got {utilization}")
+    seen: set[int] = set()
+    miss_tokens = 0
+    for item in items:
+        new = sum(1 for h in item.hash_ids if h not in seen)
+        seen.update(item.hash_ids)
+        miss_tokens += new * block_tokens + max(0, item.input_length - len(item.hash_ids) * block_tokens)
+    span_s = (max(i.timestamp_ms for i in items) - min(i.timestamp_ms for i in items)) / 1000.0 if items else 0.0
+    if span_s <= 0 or miss_tokens == 0:
+        raise ValueError("the trace spans no time or needs no prefill: no time scale loads it")
+    demand_tokens_per_s = miss_tokens / span_s
+    capacity = num_replicas * prefill_capacity_tokens_per_s(profile, limits)
+    return demand_tokens_per_s / (utilization * capacity)

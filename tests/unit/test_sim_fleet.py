@@ -14,7 +14,17 @@ from kvtide.deployments.routing import policy as routing_policy
 from kvtide.deployments.routing.fleet import FleetView
 from kvtide.deployments.routing.policy import RouterState
 from kvtide.simulator.engine import EngineLimits, StepProfile
-from kvtide.simulator.fleet import FleetSim, SimConfig, TraceItem, block_name, sim_requests
+from kvtide.simulator.fleet import (
+    FleetSim,
+    SimConfig,
+    TraceItem,
+    block_name,
+    prefill_capacity_tokens_per_s,
+    sim_requests,
+    tenant_copies,
+    time_scale_for,
+)
+from kvtide.simulator.plan import smallest_fleet
 from kvtide.simulator.profile import Level, equations, fit_closed_loop, load_profile, nnls
 from kvtide.simulator.report import percentile, summarize
 
@@ -150,3 +160,55 @@ def test_the_committed_profile_loads_and_sizes_an_engine():
     assert all(v >= 0 for v in json.loads(json.dumps(profile.raw["step"])).values())
     with pytest.raises(ValueError, match="no profile"):
         load_profile("no-such-profile")
+
+
+def _curve(p90_by_size: dict[int, float]):
+    def run(config, policy, items, block_tokens, slo_ttft_s):
+        return {"num_requests": 1, "num_finished": 1, "ttft_s": {"p90": p90_by_size[config.num_replicas]}}
+    return run
+
+
+def test_plan_finds_the_smallest_size_meeting_the_objective_and_keeps_the_curve():
+    """Doubling then bisection: the smallest size within the objective; every simulated size is reported."""
+    curve = {n: 10.0 / n for n in range(1, 65)}  # p90 falls as 10 s / replicas
+    plan = smallest_fleet(config(), "round_robin", [], 64, slo_ttft_p90_s=0.4, run=_curve(curve))
+    assert plan.replicas == 25 and set(plan.tried) == {1, 2, 4, 8, 16, 32, 24, 28, 26, 25}
+    assert smallest_fleet(config(), "round_robin", [], 64, 0.05, max_replicas=64, run=_curve(curve)).replicas is None
+    assert smallest_fleet(config(), "round_robin", [], 64, 20.0, run=_curve(curve)).replicas == 1
+
+
+def test_plan_on_a_real_simulation_needs_fewer_replicas_for_a_looser_objective():
+    """On the simulator itself, a looser TTFT objective never asks for more replicas."""
+    items = shared_prefix_trace(num_groups=4, per_group=10, gap_ms=5.0)
+    tight = smallest_fleet(config(), "prefix_aware", items, 64, slo_ttft_p90_s=0.05, max_replicas=16)
+    loose = smallest_fleet(config(), "prefix_aware", items, 64, slo_ttft_p90_s=1.0, max_replicas=16)
+    assert tight.replicas is not None and loose.replicas is not None and loose.replicas <= tight.replicas
+    assert all(s["num_finished"] == len(items) for s in tight.tried.values())
+
+
+def test_a_request_that_outgrows_the_cache_while_decoding_still_finishes():
+    """Decode past the cache preempts (recompute) instead of stalling the fleet: every request ends."""
+    items = [TraceItem(0.0, 128, 200, (1, 2)), TraceItem(1.0, 128, 200, (3, 4))]
+    result = FleetSim(config(num_replicas=1, num_blocks=16), "round_robin").run(sim_requests(items, 64, 16))
+    assert all(r.finished_s is not None for r in result.requests) and result.num_preemptions > 0
+
+
+def test_tenant_copies_replay_the_trace_with_disjoint_blocks():
+    """Copies share no hash id, keep the trace's times and each copy's own reuse; merged in time order."""
+    items = [TraceItem(0.0, 128, 5, (0, 1)), TraceItem(50.0, 128, 5, (0, 2))]
+    copies = tenant_copies(items, 3)
+    assert [c.timestamp_ms for c in copies] == [0.0] * 3 + [50.0] * 3
+    assert [c.hash_ids for c in copies[:3]] == [(0, 1), (3, 4), (6, 7)] and copies[4].hash_ids == (3, 5)
+    with pytest.raises(ValueError, match="at least 1"):
+        tenant_copies(items, 0)
+
+
+def test_time_scale_loads_the_fleet_prefill_capacity_to_the_utilization():
+    """Unavoidable prefill (first sight of each block) per second of the scaled trace = utilization x capacity."""
+    items = [TraceItem(0.0, 128, 5, (0, 1)), TraceItem(1000.0, 128, 5, (0, 2)), TraceItem(2000.0, 192, 5, (0, 2))]
+    limits = config().limits
+    scale = time_scale_for(items, 0.5, 4, PROFILE, limits, block_tokens=64)
+    capacity = 4 * prefill_capacity_tokens_per_s(PROFILE, limits)
+    miss_tokens = 64 * 3 + 64  # blocks 0, 1, 2 first seen, and the third prompt's 64 tokens past its ids
+    assert miss_tokens / (2.0 * scale) == pytest.approx(0.5 * capacity)
+    assert prefill_capacity_tokens_per_s(PROFILE, limits) == pytest.approx(2048 / (0.005 + 2048 * 2e-5))
