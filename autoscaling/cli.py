@@ -58,6 +58,15 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="full-context requests the suggested TP size must hold "
                              f"(default {DEFAULT_MIN_FULL_CONTEXT_REQUESTS})")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    trace = parser.add_argument_group(
+        "fleet size on a trace (second step: the simulator, `kvtide simulate`, with the KV per replica above)")
+    trace.add_argument("--trace", help="Mooncake-format JSON lines: find the smallest fleet that meets --slo-ttft-p90-ms")
+    trace.add_argument("--slo-ttft-p90-ms", type=float, help="TTFT p90 objective, milliseconds (with --trace)")
+    trace.add_argument("--profile", default="llama-8b-h100", help="the simulator's engine step profile")
+    trace.add_argument("--block-tokens", type=int, default=64, help="tokens per hash id of the trace")
+    trace.add_argument("--time-scale", type=float, default=1.0, help="multiply the trace's timestamps")
+    trace.add_argument("--policies", default="prefix_aware,round_robin", help="routing policies to plan for")
+    trace.add_argument("--max-replicas", type=int, default=256)
     parser.set_defaults(func=cmd_plan)
     return parser
 
@@ -116,5 +125,40 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except PlanError as exc:
         print(f"kvtide plan: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(plan_as_dict(kv_shape, plan), indent=2) if args.json else format_plan(kv_shape, plan))
-    return 0
+    if not args.trace:
+        print(json.dumps(plan_as_dict(kv_shape, plan), indent=2) if args.json else format_plan(kv_shape, plan))
+        return 0
+    if args.slo_ttft_p90_ms is None:
+        print("kvtide plan: --trace needs --slo-ttft-p90-ms", file=sys.stderr)
+        return 2
+    planner = trace_planner()
+    if planner is None:
+        print("kvtide plan: --trace needs kvtide's simulator (entry point group "
+              f"{PLANNERS_GROUP!r}); reinstall kvtide", file=sys.stderr)
+        return 2
+    try:
+        fleet = planner(kv_bytes_per_replica=plan.kv_bytes_per_replica, kv_bytes_per_token=plan.kv_bytes_per_token,
+                        max_model_len=plan.max_model_len, args=args)
+    except ValueError as exc:
+        print(f"kvtide plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**plan_as_dict(kv_shape, plan), "fleet": fleet}, indent=2))
+    else:
+        print(format_plan(kv_shape, plan))
+        for policy, entry in fleet["policies"].items():
+            size = f"{entry['replicas']} replicas" if entry["replicas"] else f"more than {args.max_replicas} replicas"
+            print(f"fleet for TTFT p90 <= {args.slo_ttft_p90_ms:g} ms on {args.trace} ({policy}, simulated): {size}")
+    return 0 if all(entry["replicas"] for entry in fleet["policies"].values()) else 1
+
+
+# The fleet-size step on a trace lives in kvtide.simulator (a layer above this one): found through this
+# entry point group, never imported.
+PLANNERS_GROUP = "kvtide.planners"
+
+
+def trace_planner():
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group=PLANNERS_GROUP) if ep.name == "trace"]
+    return found[0].load() if found else None

@@ -83,6 +83,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--max-replicas", type=int, default=256)
     _add_fleet_flags(plan)
     plan.set_defaults(func=cmd_plan)
+    replay = sub.add_parser("replay", help="one open-loop point of `kvtide bench compare` on simulated engines, "
+                                           "beside what a committed GPU run measured")
+    from kvtide.benchmarks.cli import _add_workload_flags
+
+    _add_workload_flags(replay)
+    replay.add_argument("--rate", type=float, required=True, help="the point's Poisson rate, requests/s")
+    replay.add_argument("--duration", type=float, required=True, help="the point's sending window, seconds")
+    replay.add_argument("--replicas", type=int, required=True)
+    replay.add_argument("--engines-per-gpu", type=int, default=1, help="engines sharing one GPU (fleet.SimConfig)")
+    replay.add_argument("--policies", type=_policies, default=["prefix_aware", "pow2", "round_robin"])
+    replay.add_argument("--profile", default="llama-8b-h100")
+    replay.add_argument("--kv-gib", type=float, required=True)
+    replay.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    replay.add_argument("--max-num-seqs", type=int, default=256)
+    replay.add_argument("--report-delay-s", type=float, default=0.0)
+    replay.add_argument("--slo-ttft-s", type=float, default=DEFAULT_SLO_TTFT_S)
+    replay.add_argument("--measured", help="the GPU run's results.json (`kvtide bench compare`): compared per policy")
+    replay.add_argument("--out-dir", required=True)
+    replay.set_defaults(func=cmd_replay)
+    summary = sub.add_parser("summary", help="several `simulate run` results in one table and one figure")
+    summary.add_argument("results", nargs="+", help="results.json files of `kvtide simulate run`")
+    summary.add_argument("--out", required=True, help="folder for summary.md and fleet.png")
+    summary.set_defaults(func=cmd_summary)
     fit = sub.add_parser("fit", help="fit a profile's step coefficients to a committed overhead run")
     fit.add_argument("--overhead-results", required=True, help="an overhead run's results.json (paired or single)")
     fit.add_argument("--server", default="vllm", help="whose levels to fit (default: bare vLLM)")
@@ -187,6 +210,108 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"kvtide simulate plan: {policy}: {answer} for TTFT p90 <= {args.slo_ttft_p90_ms:g} ms "
               f"(simulated TTFT p90 by size: {curve})", flush=True)
     return 0 if all(p["replicas"] for p in results["policies"].values()) else 1
+
+
+# A simulated policy → the name `kvtide bench compare` gives the same routing (bare vLLM behind round robin).
+MEASURED_NAME = {"round_robin": "bare"}
+# The issue's tolerances for a replay to count as matching the GPU run (simulator/validate: hit rate absolute,
+# latency relative).
+HIT_RATE_TOLERANCE = 0.03
+LATENCY_TOLERANCE = 0.20
+
+
+def compare_to_measured(simulated: dict[str, Any], measured: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Simulated vs measured per metric: both values, the difference, and whether it is within tolerance."""
+    if measured is None:
+        return None
+    pairs = {"hit_rate": (simulated["hit_rate"], measured.get("prefix_cache_hit_rate"), "abs"),
+             "ttft_p50_s": (simulated["ttft_s"]["p50"], (measured.get("ttft_s") or {}).get("p50"), "rel"),
+             "ttft_p90_s": (simulated["ttft_s"]["p90"], (measured.get("ttft_s") or {}).get("p90"), "rel"),
+             "e2e_p90_s": (simulated["e2e_s"]["p90"], (measured.get("e2e_s") or {}).get("p90"), "rel")}
+    out = {}
+    for key, (sim, real, kind) in pairs.items():
+        if sim is None or real is None:
+            out[key] = {"simulated": sim, "measured": real, "within": None}
+            continue
+        diff = sim - real if kind == "abs" else (sim - real) / real if real else None
+        tolerance = HIT_RATE_TOLERANCE if kind == "abs" else LATENCY_TOLERANCE
+        out[key] = {"simulated": sim, "measured": real, kind + "_difference": diff,
+                    "within": diff is not None and abs(diff) <= tolerance}
+    return out
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from kvtide.benchmarks.cli import Load, point_seed_offset
+    from kvtide.benchmarks.workloads import DEFAULT_TOKENS_PER_WORD, calibrate_tokens_per_word, make_params
+    from kvtide.config import default_config_path, load_config
+    from kvtide.simulator.fleet import FleetSim, SimConfig
+    from kvtide.simulator.profile import load_profile
+    from kvtide.simulator.report import summarize
+    from kvtide.simulator.workload import workload_requests
+
+    if not args.tokenizer:
+        print("kvtide simulate replay: --tokenizer (the served model's folder) renders the prompts", file=sys.stderr)
+        return 2
+    profile = load_profile(args.profile)
+    limits = profile.limits(int(args.kv_gib * 2**30), args.max_num_batched_tokens, args.max_num_seqs)
+    config = SimConfig(num_replicas=args.replicas, limits=limits, profile=profile.step,
+                       routing=load_config(default_config_path(), []).routing, report_delay_s=args.report_delay_s,
+                       engines_per_gpu=args.engines_per_gpu)
+    tpw = args.tokens_per_word or calibrate_tokens_per_word(args.tokenizer) or DEFAULT_TOKENS_PER_WORD
+    load = Load(rate=args.rate)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    point = f"{args.workload} @ {load.label}"
+    measured = json.loads(Path(args.measured).read_text()).get(point, {}) if args.measured else {}
+    results: dict[str, Any] = {"kind": "simulated_replay", "command": shlex.join(["kvtide", *sys.argv[1:]]),
+                               "point": point, "profile": dict(profile.raw), "limits": limits.__dict__,
+                               "engines_per_gpu": args.engines_per_gpu, "measured_from": args.measured,
+                               "tolerances": {"hit_rate_abs": HIT_RATE_TOLERANCE, "latency_rel": LATENCY_TOLERANCE},
+                               "policies": {}}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for policy in args.policies:
+        requests = workload_requests(args.workload, make_params(args.workload, **vars(args)),
+                                     seed=args.seed + point_seed_offset(args.workload, load), rate=args.rate,
+                                     duration_s=args.duration, tokenizer=tokenizer, tokens_per_word=tpw,
+                                     block_size=limits.block_size)
+        simulated = summarize(FleetSim(config, policy).run(requests), args.slo_ttft_s)
+        results["policies"][policy] = {"simulated": simulated,
+                                       "vs_measured": compare_to_measured(
+                                           simulated, measured.get(MEASURED_NAME.get(policy, policy)))}
+        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "report.md").write_text(replay_markdown(results))
+    print(replay_markdown(results))
+    return 0
+
+
+def replay_markdown(results: dict[str, Any]) -> str:
+    def f(value: Any, fmt: str) -> str:
+        return "–" if value is None else fmt.format(value)
+
+    lines = ["# Simulated replay of a GPU run's point", "", f"Point `{results['point']}`, measured in "
+             f"`{results['measured_from']}`; profile `{results['profile']['name']}`, "
+             f"{results['engines_per_gpu']} engine(s) per GPU. Within: hit rate ±{HIT_RATE_TOLERANCE:g} absolute, "
+             f"latencies ±{LATENCY_TOLERANCE:.0%} relative.", "",
+             "| policy | metric | simulated | measured | difference | within |", "|---|---|---:|---:|---:|---|"]
+    for policy, entry in results["policies"].items():
+        for metric, cell in (entry["vs_measured"] or {}).items():
+            diff = cell.get("abs_difference", cell.get("rel_difference"))
+            shown = f(diff, "{:+.3f}") if "abs_difference" in cell else f(diff if diff is None else diff * 100, "{:+.0f} %")
+            lines.append(f"| {policy} | {metric} | {f(cell['simulated'], '{:.3f}')} | {f(cell['measured'], '{:.3f}')} "
+                         f"| {shown} | {'yes' if cell['within'] else 'no' if cell['within'] is False else '–'} |")
+    lines += ["", f"Command: `{results['command']}`", ""]
+    return "\n".join(lines)
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    from kvtide.simulator.summary import write_summary
+
+    md, png = write_summary(args.results, args.out)
+    print(md.read_text())
+    print(f"kvtide simulate summary: wrote {md} and {png}")
+    return 0
 
 
 def cmd_fit(args: argparse.Namespace) -> int:

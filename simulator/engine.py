@@ -246,8 +246,11 @@ class EngineModel:
 
     # ---- one step -------------------------------------------------------------------------------
 
-    def step(self, now_s: float) -> StepResult:
-        """Schedule one step starting at now_s; it ends at now_s + duration_s."""
+    def step(self, now_s: float, slowdown: float = 1.0) -> StepResult:
+        """Schedule one step starting at now_s; it ends at now_s + duration_s.
+
+        `slowdown` multiplies the profile's duration: the share of a GPU this engine gets while
+        others on the same GPU step too (the fleet decides it; 1.0 alone)."""
         bs = self._bs
         budget = self._max_tokens
         running = self._running
@@ -363,7 +366,7 @@ class EngineModel:
 
         if prefill_tokens == 0 and decode_seqs == 0:
             return StepResult(0.0, 0, 0, [], [], stored, removed, preempted)
-        duration = self._profile.step_time_s(prefill_tokens, decode_seqs, kv_read)
+        duration = self._profile.step_time_s(prefill_tokens, decode_seqs, kv_read) * slowdown
         end = now_s + duration
         for req in first:
             req.first_token_s = end

@@ -89,6 +89,10 @@ class SimConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     report_delay_s: float = 0.0  # report tick → the router applies it (Ray's push; the long poll)
     seed: int = 0
+    # Engines sharing one GPU (gpus_per_worker 1/k): a step that starts while m others on its GPU are mid-step
+    # lasts (m + 1) × its profile time. Separate processes on one GPU time-slice it (no MPS), so concurrent
+    # steps serialize; the share is fixed when the step starts (a simplification).
+    engines_per_gpu: int = 1
 
     @property
     def stats_period_s(self) -> float:
@@ -176,8 +180,9 @@ def make_policy(name: str, config: SimConfig, rng: random.Random) -> Policy:
 class SimReplica:
     """One engine and what its replica reports: the block set in kvtide names, its journal, recent durations."""
 
-    def __init__(self, replica_id: str, config: SimConfig):
+    def __init__(self, replica_id: str, config: SimConfig, index: int = 0):
         self.replica_id = replica_id
+        self.index = index
         self.engine = EngineModel(config.limits, config.profile)
         self.journal = DigestJournal(replica_id, epoch=1)
         self.held: set[int] = set()
@@ -239,7 +244,7 @@ class FleetSim:
         self.config = config
         self.rng = random.Random(config.seed)
         self.policy = make_policy(policy, config, self.rng)
-        self.replicas = [SimReplica(f"replica-{i}", config) for i in range(config.num_replicas)]
+        self.replicas = [SimReplica(f"replica-{i}", config, i) for i in range(config.num_replicas)]
         self.replica_ids = [r.replica_id for r in self.replicas]
         self._events: list[tuple[float, int, int, Any]] = []
         self._order = 0
@@ -248,12 +253,20 @@ class FleetSim:
         self._order += 1
         heapq.heappush(self._events, (at_s, kind, self._order, payload))
 
+    def _slowdown(self, replica: SimReplica) -> float:
+        k = self.config.engines_per_gpu
+        if k <= 1:
+            return 1.0
+        gpu = replica.index // k
+        return 1.0 + sum(1 for other in self.replicas[gpu * k:(gpu + 1) * k] if other is not replica and other.stepping)
+
     def _step(self, replica: SimReplica, now_s: float) -> None:
-        result = replica.engine.step(now_s)
+        slowdown = self._slowdown(replica)
+        result = replica.engine.step(now_s, slowdown)
         while result.duration_s <= 0.0 and result.preempted and replica.engine.has_work():
             # The only running request preempted itself: the next step re-admits it (engine.py, 1 and 5).
             replica.land(result)
-            result = replica.engine.step(now_s)
+            result = replica.engine.step(now_s, slowdown)
         if result.duration_s <= 0.0:  # nothing schedulable: an arrival restarts it
             replica.stepping = False
             replica.land(result)

@@ -59,3 +59,40 @@ def smallest_fleet(config: SimConfig, policy: str, items: Sequence[TraceItem], b
         else:
             failing = middle
     return PlanResult(policy, slo_ttft_p90_s, meeting, dict(sorted(tried.items())))
+
+
+def plan_on_trace(*, kv_bytes_per_replica: int, kv_bytes_per_token: int, max_model_len: int, args: Any
+                  ) -> dict[str, Any]:
+    """`kvtide plan --trace`'s second step (found through the `kvtide.planners` entry points): the KV per replica
+    the capacity plan found, the profile's step time, the trace as `kvtide bench trace` scales it; the smallest
+    fleet per policy. Prompts longer than max_model_len minus the longest output are cut."""
+    from kvtide.benchmarks.trace_replay import ScaleOptions, read_trace, scale_trace
+    from kvtide.config.routing import RoutingConfig
+    from kvtide.simulator.engine import EngineLimits
+    from kvtide.simulator.fleet import POLICIES
+    from kvtide.simulator.profile import load_profile
+
+    if kv_bytes_per_replica <= 0:
+        raise ValueError("the weights leave no KV cache on a replica: no fleet can serve the trace")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if not policies or unknown:
+        raise ValueError(f"--policies: choose from {', '.join(POLICIES)}")
+    profile = load_profile(args.profile)
+    block_size = profile.block_size
+    limits = EngineLimits(num_blocks=kv_bytes_per_replica // (kv_bytes_per_token * block_size), block_size=block_size,
+                          max_num_batched_tokens=8192, max_num_seqs=256)
+    max_output = 256
+    scaled = scale_trace(read_trace(args.trace), ScaleOptions(
+        block_tokens=args.block_tokens, time_scale=args.time_scale, max_input_tokens=max_model_len - max_output,
+        over_long="truncate", max_output_tokens=max_output))
+    items = [TraceItem(r.timestamp_ms, r.input_length, r.output_length, r.hash_ids) for r in scaled.requests]
+    config = SimConfig(num_replicas=1, limits=limits, profile=profile.step, routing=RoutingConfig())
+    out: dict[str, Any] = {"profile": profile.name, "limits": limits.__dict__, "num_requests": len(items),
+                           "slo_ttft_p90_ms": args.slo_ttft_p90_ms, "policies": {}}
+    for policy in policies:
+        plan = smallest_fleet(config, policy, items, args.block_tokens, args.slo_ttft_p90_ms / 1000.0,
+                              max_replicas=args.max_replicas)
+        out["policies"][policy] = {"replicas": plan.replicas,
+                                   "ttft_p90_s_by_size": {n: s["ttft_s"]["p90"] for n, s in plan.tried.items()}}
+    return out

@@ -218,6 +218,10 @@ def test_the_cli_finds_the_bench_commands_through_entry_points():
     assert declared == commands
     (subcommands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     assert {"serve", "plan", "dashboards", "bench", "simulate"} <= set(subcommands.choices)
+    # `kvtide plan --trace` finds its simulator step the same way (autoscaling sits below the simulator).
+    planners = {"trace": "kvtide.simulator.plan:plan_on_trace"}
+    assert {ep.name: ep.value for ep in entry_points(group="kvtide.planners")} == planners
+    assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["kvtide.planners"] == planners
 
 
 def test_serve_import_path_does_not_load_vllm():

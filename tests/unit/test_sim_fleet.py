@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import json
 import random
+import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -212,3 +214,100 @@ def test_time_scale_loads_the_fleet_prefill_capacity_to_the_utilization():
     miss_tokens = 64 * 3 + 64  # blocks 0, 1, 2 first seen, and the third prompt's 64 tokens past its ids
     assert miss_tokens / (2.0 * scale) == pytest.approx(0.5 * capacity)
     assert prefill_capacity_tokens_per_s(PROFILE, limits) == pytest.approx(2048 / (0.005 + 2048 * 2e-5))
+
+
+def test_summary_table_and_figure_from_run_results(tmp_path):
+    """simulate summary: a row per load, size and policy read from the results files, and a figure written."""
+    from kvtide.simulator.summary import rows, write_summary
+
+    items = shared_prefix_trace(num_groups=2, per_group=3)
+    paths = []
+    for n in (2, 4):
+        result = summarize(FleetSim(config(num_replicas=n), "round_robin").run(sim_requests(items, 64, 16)), 1.0)
+        path = tmp_path / f"n{n}.json"
+        path.write_text(json.dumps({"command": f"kvtide simulate run --replicas {n} --out-dir x", "utilization": 0.5,
+                                    "policies": {"round_robin": result}}))
+        paths.append(str(path))
+    table = rows([json.loads(Path(p).read_text()) for p in paths])
+    assert [(r["replicas"], r["policy"]) for r in table] == [(2, "round_robin"), (4, "round_robin")]
+    assert table[0]["goodput_per_replica"] == pytest.approx(
+        json.loads(Path(paths[0]).read_text())["policies"]["round_robin"]["goodput_requests_per_s"] / 2)
+    md, png = write_summary(paths, str(tmp_path / "out"))
+    assert "| 0.5 | 4 | round_robin | 6 |" in md.read_text() and png.stat().st_size > 0
+
+
+def test_engines_sharing_a_gpu_take_turns():
+    """With four engines on one GPU, concurrent steps serialize: the same load finishes later than on four GPUs."""
+    items = shared_prefix_trace(num_groups=4, per_group=10, gap_ms=1.0)
+    alone = FleetSim(config(), "round_robin").run(sim_requests(items, 64, 16))
+    shared = FleetSim(replace(config(), engines_per_gpu=4), "round_robin").run(sim_requests(items, 64, 16))
+    last_finish = [max(r.finished_s for r in run.requests) for run in (alone, shared)]
+    assert last_finish[1] > 1.5 * last_finish[0]
+    assert [r.cached_tokens for r in shared.requests] == [r.cached_tokens for r in alone.requests]
+
+
+def test_a_bench_workload_replays_with_its_prompts_blocks_and_arrivals(tmp_path):
+    """The shared-prefix workload becomes requests whose blocks are kvtide's hashes of the rendered prompt, sent at
+    the load generator's Poisson times; a group's requests share their system prompt's blocks."""
+    from kvtide.benchmarks.loadgen import arrival_times_s
+    from kvtide.benchmarks.workloads import make_params
+    from kvtide.deployments.routing.block_hash import block_hashes
+    from kvtide.simulator.workload import workload_requests
+
+    class Tokenizer:  # a word tokenizer with a chat template's shape: role tags, then the text, word by word
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            words = [w for m in messages for w in (f"<{m['role']}>", *m["content"].split())] + ["<assistant>"]
+            return [zlib.crc32(w.encode()) % 50_000 for w in words]
+
+    params = make_params("shared-prefix", num_groups=2, prompts_per_group=4, system_prompt_len=200, question_len=20,
+                         output_len=7)
+    requests = workload_requests("shared-prefix", params, seed=5, rate=100.0, duration_s=60.0, tokenizer=Tokenizer(),
+                                 tokens_per_word=1.0, block_size=16)
+    assert [r.arrival_s for r in requests] == arrival_times_s(8, 100.0, 60.0, 5)
+    assert all(r.output_tokens == 7 and len(r.block_hashes) == r.prompt_tokens // 16 for r in requests)
+    by_first = {}
+    for r in requests:
+        by_first.setdefault(r.block_hashes[0], []).append(r)
+    assert len(by_first) == 2  # two groups, each sharing its system prompt's blocks
+    for group in by_first.values():
+        assert len({r.block_hashes[:10] for r in group}) == 1
+    assert requests[0].block_hashes == tuple(block_hashes(Tokenizer().apply_chat_template(
+        list(__import__("kvtide.benchmarks.workloads", fromlist=["x"]).build_workload(
+            "shared-prefix", params, seed=5, tokens_per_word=1.0).requests[0].messages), True, True), 16))
+
+
+def test_replay_compares_each_metric_with_the_measured_run_within_tolerance():
+    """Hit rate is compared in absolute terms (±0.03), latencies relatively (±20 %); missing values stay open."""
+    from kvtide.simulator.cli import compare_to_measured
+
+    simulated = {"hit_rate": 0.80, "ttft_s": {"p50": 0.10, "p90": 0.50}, "e2e_s": {"p90": 2.0}}
+    measured = {"prefix_cache_hit_rate": 0.82, "ttft_s": {"p50": 0.2, "p90": 0.45}, "e2e_s": {}}
+    cmp = compare_to_measured(simulated, measured)
+    assert cmp["hit_rate"]["within"] and cmp["hit_rate"]["abs_difference"] == pytest.approx(-0.02)
+    assert cmp["ttft_p50_s"]["within"] is False and cmp["ttft_p50_s"]["rel_difference"] == pytest.approx(-0.5)
+    assert cmp["ttft_p90_s"]["within"] and cmp["e2e_p90_s"]["within"] is None
+    assert compare_to_measured(simulated, None) is None
+
+
+def test_kvtide_plan_with_a_trace_sizes_the_fleet_on_the_capacity_plans_kv(tmp_path, capsys):
+    """`kvtide plan --trace`: the KV plan first, then the simulator (found through its entry point) sizes the
+    fleet per policy with that KV per replica; without --slo-ttft-p90-ms it refuses."""
+    import argparse as _argparse
+
+    from kvtide.autoscaling.cli import register, trace_planner
+
+    assert trace_planner().__name__ == "plan_on_trace"
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 50 * i, "input_length": 512, "output_length": 16,
+                                         "hash_ids": [i % 3, 100 + i]}) + "\n" for i in range(40)))
+    parser = _argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    base = ["plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--params-b", "8", "--gpu-mem-gib", "80",
+            "--max-model-len", "8192", "--trace", str(trace), "--block-tokens", "256", "--max-replicas", "8"]
+    args = parser.parse_args([*base, "--slo-ttft-p90-ms", "5000", "--json"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fleet"]["limits"]["num_blocks"] == out["kv_bytes_per_replica"] // (out["kv_bytes_per_token"] * 16)
+    assert {p: e["replicas"] for p, e in out["fleet"]["policies"].items()} == {"prefix_aware": 1, "round_robin": 1}
+    refused = parser.parse_args(base)
+    assert refused.func(refused) == 2 and "--slo-ttft-p90-ms" in capsys.readouterr().err
