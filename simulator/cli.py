@@ -107,14 +107,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     summary.add_argument("--out", required=True, help="folder for summary.md and fleet.png")
     summary.set_defaults(func=cmd_summary)
     fit = sub.add_parser("fit", help="fit a profile's step coefficients to a committed overhead run")
-    fit.add_argument("--overhead-results", required=True, help="an overhead run's results.json (paired or single)")
+    fit.add_argument("--overhead-results", required=True, nargs="+",
+                     help="overhead runs' results.json (paired or single); runs of other prompt lengths let the "
+                          "fit tell KV reads from decodes")
     fit.add_argument("--server", default="vllm", help="whose levels to fit (default: bare vLLM)")
     fit.add_argument("--name", required=True)
     fit.add_argument("--block-size", type=int, default=16)
     fit.add_argument("--kv-bytes-per-token", type=int, required=True,
                      help="2 × layers × KV heads × head dim × dtype bytes (Llama-3.1-8B: 131072)")
-    fit.add_argument("--prompt-tokens", type=int, default=512)
-    fit.add_argument("--output-tokens", type=int, default=128)
+    fit.add_argument("--prompt-tokens", type=int, default=512,
+                     help="prompt length of a run whose command does not record --input-len")
+    fit.add_argument("--output-tokens", type=int, default=128,
+                     help="output length of a run whose command does not record --output-len")
     fit.add_argument("--out", required=True)
     fit.set_defaults(func=cmd_fit)
 
@@ -314,25 +318,34 @@ def cmd_summary(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_fit(args: argparse.Namespace) -> int:
-    from kvtide.simulator.profile import Level, fit_closed_loop
+def _recorded_flag(command: str, flag: str) -> int | None:
+    parts = shlex.split(command or "")
+    return int(parts[parts.index(flag) + 1]) if flag in parts[:-1] else None
 
-    data = json.loads(Path(args.overhead_results).read_text())
-    try:
-        server = data["servers"][args.server]
-    except KeyError:
-        print(f"kvtide simulate fit: no server {args.server!r} in {args.overhead_results}", file=sys.stderr)
-        return 2
-    levels = [Level(int(c), level["metrics"]["output_tokens_per_s"]["median"], level["metrics"]["ttft_p50_s"]["median"])
-              for c, level in sorted(server["levels"].items(), key=lambda kv: int(kv[0]))]
-    fitted = fit_closed_loop(levels, args.prompt_tokens, args.output_tokens)
-    profile = {"name": args.name, "model": data.get("hardware"), "block_size": args.block_size,
-               "kv_bytes_per_token": args.kv_bytes_per_token, "step": fitted["step"],
-               "fit": {"source": args.overhead_results, "server": args.server,
-                       "engine_config": server.get("engine_config"),
-                       "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-                       "equations": fitted["equations"],
-                       "command": shlex.join(["kvtide", *sys.argv[1:]])}}
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from kvtide.simulator.profile import ClosedLoopRun, Level, fit_runs
+
+    runs, configs = [], {}
+    for path in args.overhead_results:
+        data = json.loads(Path(path).read_text())
+        server = (data.get("servers") or {}).get(args.server)
+        if server is None:
+            print(f"kvtide simulate fit: no server {args.server!r} in {path}", file=sys.stderr)
+            return 2
+        command = data.get("command") or ""
+        levels = tuple(Level(int(c), lv["metrics"]["output_tokens_per_s"]["median"], lv["metrics"]["ttft_p50_s"]["median"])
+                       for c, lv in sorted(server["levels"].items(), key=lambda kv: int(kv[0])))
+        runs.append(ClosedLoopRun(levels, _recorded_flag(command, "--input-len") or args.prompt_tokens,
+                                  _recorded_flag(command, "--output-len") or args.output_tokens, path))
+        configs[path] = server.get("engine_config")
+    fitted = fit_runs(runs)
+    profile = {"name": args.name, "model": json.loads(Path(args.overhead_results[0]).read_text()).get("hardware"),
+               "block_size": args.block_size, "kv_bytes_per_token": args.kv_bytes_per_token, "step": fitted["step"],
+               "fit": {"sources": [{"path": r.source, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                                    "engine_config": configs[r.source]} for r in runs],
+                       "server": args.server, "kv_read_fitted": fitted["kv_read_fitted"],
+                       "equations": fitted["equations"], "command": shlex.join(["kvtide", *sys.argv[1:]])}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile, indent=2) + "\n")
     print(json.dumps(profile["step"], indent=2))

@@ -118,10 +118,40 @@ def nnls(rows: Sequence[Sequence[float]], rhs: Sequence[float], iterations: int 
     return [x[j] / norms[j] for j in range(n)]
 
 
+@dataclass(frozen=True)
+class ClosedLoopRun:
+    """One overhead run's levels with its fixed prompt and output lengths."""
+
+    levels: tuple[Level, ...]
+    prompt_tokens: int
+    output_tokens: int
+    source: str = ""
+
+
 def fit_closed_loop(levels: Sequence[Level], prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
-    """{step: coefficients, equations: [{row, measured_s, fitted_s}]} for an overhead run's levels."""
-    rows, rhs = equations(levels, prompt_tokens, output_tokens)
-    coefficients = nnls([row[:3] for row in rows], rhs) + [0.0]  # kv_read: not identifiable here (docstring)
+    """{step: coefficients, equations: [{row, measured_s, fitted_s}]} for one overhead run's levels."""
+    return fit_runs([ClosedLoopRun(tuple(levels), prompt_tokens, output_tokens)])
+
+
+def fit_runs(runs: Sequence[ClosedLoopRun]) -> dict[str, Any]:
+    """The step coefficients fitted to every run's equations at once. KV reads are fitted only when the runs
+    differ in context length (prompt + output / 2): at one context they are proportional to the decodes
+    (module docstring) and the fit sets them to 0."""
+    rows: list[list[float]] = []
+    rhs: list[float] = []
+    sources: list[str] = []
+    for run in runs:
+        r, b = equations(run.levels, run.prompt_tokens, run.output_tokens)
+        rows += r
+        rhs += b
+        sources += [run.source] * len(r)
+    contexts = {run.prompt_tokens + run.output_tokens / 2 for run in runs}
+    if len(contexts) > 1:
+        coefficients = nnls(rows, rhs)
+    else:
+        coefficients = nnls([row[:3] for row in rows], rhs) + [0.0]
     fitted = [sum(c * v for c, v in zip(coefficients, row)) for row in rows]
     return {"step": dict(zip(COEFFICIENTS, coefficients)),
-            "equations": [{"row": row, "measured_s": m, "fitted_s": f} for row, m, f in zip(rows, rhs, fitted)]}
+            "kv_read_fitted": len(contexts) > 1,
+            "equations": [{"source": s, "row": row, "measured_s": m, "fitted_s": f}
+                          for s, row, m, f in zip(sources, rows, rhs, fitted)]}

@@ -23,6 +23,8 @@
 #                                              shared-prefix at several open-loop rates (POLICIES, RATES, ...)
 #   bash benchmarks/h200/run.sh trace          `kvtide bench trace` (vllm bench serve) on the Mooncake trace: prefix_aware /
 #                                              bare round robin, REPEATS fresh starts each (TRACE_POLICIES, TRACE_SCALES, ...)
+#   bash benchmarks/h200/run.sh profile-8b     bare vLLM's closed-loop levels at long prompts, for `kvtide simulate fit`
+#                                              (PROFILE_INPUT_LENS, default "2048 6000"; PROFILE_CONCURRENCY)
 #   bash benchmarks/h200/run.sh warm           one unmeasured start of the routing fleet (compile caches), before routing
 #   bash benchmarks/h200/run.sh agentic        `kvtide bench agentic` on that fleet: agent sessions (tools; chat, Messages,
 #                                              Responses), prefix_aware / pow2 / bare, REPEATS starts each
@@ -401,6 +403,21 @@ overhead-8b|overhead-8b-inline|overhead-8b-peer|overhead-8b-peers2)
       --hardware "$(gpu_label 1), Llama-3.1-8B shape, random weights" \
       --no-progress --out-dir "$RES/$1" > "$RES/$1.log" 2>&1
   tail -15 "$RES/$1/report.md"
+  ;;
+profile-8b)  # issue 50: bare vLLM alone, one engine of the 8B shape, closed loop at PROFILE_INPUT_LENS prompt tokens
+  # (each a run of its own), for `kvtide simulate fit` (runs of several prompt lengths tell KV reads from decodes
+  # and pin long prefills, which the 512-token overhead run cannot)
+  build_8b; leftovers profile-8b
+  for len in ${PROFILE_INPUT_LENS:-2048 6000}; do
+    CUDA_VISIBLE_DEVICES=0 python3 -m kvtide.benchmarks.overhead --config "$REPO/config/presets/gpu-demo.yaml" \
+        --set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape \
+        --set engine.gpu_memory_utilization=0.85 --set engine.max_num_seqs=128 --set engine.max_model_len=8192 \
+        --servers vllm --concurrency "${PROFILE_CONCURRENCY:-1,8,32}" --num-requests "${NUM_REQUESTS:-100}" \
+        --duration "${OVERHEAD_DURATION:-15}" --input-len "$len" --output-len 128 --repeats "${REPEATS:-1}" \
+        --hardware "$(gpu_label 1), Llama-3.1-8B shape, random weights" \
+        --no-progress --out-dir "$RES/profile-8b-$len" > "$RES/profile-8b-$len.log" 2>&1
+    echo "profile-8b $len: exit $?" >> "$RES/driver-notes.txt"
+  done
   ;;
 profile)  # where the direct path spends CPU at 64 streams: py-spy on the engine replica and HAProxy's view
   python3 -m kvtide.cluster.cli serve --config "$REPO/config/presets/gpu-demo.yaml" --replicas 1 \

@@ -311,3 +311,24 @@ def test_kvtide_plan_with_a_trace_sizes_the_fleet_on_the_capacity_plans_kv(tmp_p
     assert {p: e["replicas"] for p, e in out["fleet"]["policies"].items()} == {"prefix_aware": 1, "round_robin": 1}
     refused = parser.parse_args(base)
     assert refused.func(refused) == 2 and "--slo-ttft-p90-ms" in capsys.readouterr().err
+
+
+def test_runs_of_two_prompt_lengths_let_the_fit_tell_kv_reads_from_decodes():
+    """With runs at two context lengths all four coefficients come back; at one, KV reads stay 0 (not identifiable)."""
+    from kvtide.simulator.profile import ClosedLoopRun, fit_runs
+
+    truth = [0.006, 2e-5, 5e-5, 1e-7]
+
+    def run(prompt: int) -> ClosedLoopRun:
+        levels = []
+        for c in (1, 8, 32, 128):
+            row = equations([Level(c, 1.0, 0.0)], prompt, 128)[0][0]
+            levels.append(Level(c, c / sum(t * v for t, v in zip(truth, row)),
+                                truth[0] + prompt * (truth[1] + truth[3])))
+        return ClosedLoopRun(tuple(levels), prompt, 128, f"run-{prompt}")
+
+    both = fit_runs([run(512), run(4096)])
+    assert both["kv_read_fitted"] and list(both["step"].values()) == pytest.approx(truth, rel=1e-2)
+    one = fit_runs([run(512)])
+    assert not one["kv_read_fitted"] and one["step"]["per_kv_token_read_s"] == 0.0
+    assert {e["source"] for e in both["equations"]} == {"run-512", "run-4096"}
