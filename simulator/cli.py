@@ -25,6 +25,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvtide.benchmarks.protocol import provenance, provenance_markdown
+
 DEFAULT_SLO_TTFT_S = 1.0
 
 
@@ -163,6 +165,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     limits = config.limits
     results: dict[str, Any] = {
         "kind": "simulated_fleet", "command": shlex.join(["kvtide", *sys.argv[1:]]),
+        "provenance": provenance(["kvtide", *sys.argv[1:]]),
         "description": (f"{args.replicas} simulated replicas ({profile.name}: {limits.num_blocks} blocks of "
                         f"{limits.block_size} tokens each), {len(items)} requests of `{trace}` "
                         f"(block tokens {args.block_tokens}, {args.copies} tenant cop{'y' if args.copies == 1 else 'ies'}, time "
@@ -201,6 +204,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"kind": "fleet_plan", "command": shlex.join(["kvtide", *sys.argv[1:]]),
+                               "provenance": provenance(["kvtide", *sys.argv[1:]]),
                                "trace": trace, "num_requests": len(items), "profile": dict(profile.raw),
                                "limits": config.limits.__dict__, "slo_ttft_p90_s": slo_s, "policies": {}}
     for policy in args.policies:
@@ -269,6 +273,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     point = f"{args.workload} @ {load.label}"
     measured = json.loads(Path(args.measured).read_text()).get(point, {}) if args.measured else {}
     results: dict[str, Any] = {"kind": "simulated_replay", "command": shlex.join(["kvtide", *sys.argv[1:]]),
+                               "provenance": provenance(["kvtide", *sys.argv[1:]]),
                                "point": point, "profile": dict(profile.raw), "limits": limits.__dict__,
                                "engines_per_gpu": args.engines_per_gpu, "measured_from": args.measured,
                                "tolerances": {"hit_rate_abs": HIT_RATE_TOLERANCE, "latency_rel": LATENCY_TOLERANCE},
@@ -306,7 +311,7 @@ def replay_markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {policy} | {metric} | {f(cell['simulated'], '{:.3f}')} | {f(cell['measured'], '{:.3f}')} "
                          f"| {shown} | {'yes' if cell['within'] else 'no' if cell['within'] is False else '–'} |")
     lines += ["", f"Command: `{results['command']}`", ""]
-    return "\n".join(lines)
+    return "\n".join(lines) + ("\n" + provenance_markdown(results["provenance"]) if "provenance" in results else "")
 
 
 def cmd_summary(args: argparse.Namespace) -> int:

@@ -69,4 +69,8 @@ def report_markdown(results: Mapping[str, Any]) -> str:
                      f"{s['num_preemptions']} | {f(s['decision_wall_us']['p50'], '{:.0f}')} / "
                      f"{f(s['decision_wall_us']['p99'], '{:.0f}')} |")
     lines += ["", f"Command: `{results['command']}`", ""]
+    if "provenance" in results:
+        from kvtide.benchmarks.protocol import provenance_markdown
+
+        lines.append(provenance_markdown(results["provenance"]))
     return "\n".join(lines)
