@@ -14,14 +14,10 @@ from kvtide.simulator.fleet import SimResult
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default), None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    """The benchmarks' percentile (numpy's linear interpolation), None for no values."""
+    from kvtide.benchmarks.report import percentile as measured_percentile
+
+    return measured_percentile(values, q) if values else None
 
 
 def summarize(result: SimResult, slo_ttft_s: float) -> dict[str, Any]:
