@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from kvtide.autoscaling import roles_channel
@@ -150,6 +151,40 @@ def _newest_values(raw: Mapping[str, Any], key: str) -> dict[str, float]:
     return values
 
 
+@dataclass(frozen=True)
+class Tick:
+    """One call's outcome: Serve's target, the state to carry, and what decided it."""
+
+    target: int
+    policy_state: dict[str, Any]
+    decision: Decision
+    plan: RolePlan | None = None  # with standby roles only
+    roles_before: Roles | None = None  # the roles reconciled with what Serve runs, before `plan`
+    worth: dict[str, float] = field(default_factory=dict)  # each replica's cache worth, with roles only
+
+
+def policy_tick(ctx: Any, tunables: AutoscalingSettings) -> Tick:
+    """observe (context → LawContext, roles reconciled) → decide (control law) → assign (roles), no side
+    effect: the Ray policy below and the fleet simulator (kvtide.simulator.autoscale) call this same function."""
+    look_back_s = ctx.config.look_back_period_s if ctx.config is not None else 30.0
+    roles = None
+    if tunables.manages_roles:
+        now_s = ctx.current_time if ctx.current_time is not None else time.time()
+        roles = reconcile(Roles.from_dict(ctx.policy_state.get(ROLES_STATE_KEY)),
+                          [replica_id.unique_id for replica_id in ctx.running_replicas], now_s,
+                          tunables.standby_replicas, ctx.target_num_replicas)
+    context = law_context(ctx, look_back_s, tunables.trend_window_s, roles)
+    state = LawState.from_dict(ctx.policy_state.get(POLICY_STATE_KEY))
+    desired, state, decision = decide(context, state, tunables)
+    if roles is None:
+        return Tick(desired, {POLICY_STATE_KEY: state.to_dict()}, decision)
+    worth = cache_worth(ctx)
+    plan = assign(roles, desired, worth=worth, now_s=context.now_s, standby_replicas=tunables.standby_replicas,
+                  standby_timeout_s=tunables.standby_timeout_s, max_replicas=ctx.capacity_adjusted_max_replicas)
+    return Tick(plan.serve_target, {POLICY_STATE_KEY: state.to_dict(), ROLES_STATE_KEY: plan.roles.to_dict()},
+                decision, plan, roles, worth)
+
+
 class KvPolicy:
     """Ray Serve custom autoscaling policy: one instance per deployment, called every tick.
 
@@ -163,29 +198,15 @@ class KvPolicy:
         self._published: bytes | None = None  # the role document last written to the GCS
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        look_back_s = ctx.config.look_back_period_s if ctx.config is not None else 30.0
-        roles = None
-        if self.tunables.manages_roles:
-            now_s = ctx.current_time if ctx.current_time is not None else time.time()
-            roles = reconcile(Roles.from_dict(ctx.policy_state.get(ROLES_STATE_KEY)),
-                              [replica_id.unique_id for replica_id in ctx.running_replicas], now_s,
-                              self.tunables.standby_replicas, ctx.target_num_replicas)
-        context = law_context(ctx, look_back_s, self.tunables.trend_window_s, roles)
-        state = LawState.from_dict(ctx.policy_state.get(POLICY_STATE_KEY))
-        desired, state, decision = decide(context, state, self.tunables)
-        self._log(decision)
-        autoscaler_metrics().on_decision(decision, ctx.deployment_name, ctx.app_name or "")
-        if roles is None:
-            return desired, {POLICY_STATE_KEY: state.to_dict()}
-        worth = cache_worth(ctx)
-        plan = assign(roles, desired, worth=worth, now_s=context.now_s,
-                      standby_replicas=self.tunables.standby_replicas,
-                      standby_timeout_s=self.tunables.standby_timeout_s,
-                      max_replicas=ctx.capacity_adjusted_max_replicas)
-        if plan.demoted:  # the choice's inputs, so an operator can tell why this replica left routing
-            logger.info("roles: cache worth of the active replicas before: %s", worth_line(roles.active, worth))
-        self._publish(ctx, plan)
-        return plan.serve_target, {POLICY_STATE_KEY: state.to_dict(), ROLES_STATE_KEY: plan.roles.to_dict()}
+        tick = policy_tick(ctx, self.tunables)
+        self._log(tick.decision)
+        autoscaler_metrics().on_decision(tick.decision, ctx.deployment_name, ctx.app_name or "")
+        if tick.plan is not None:
+            if tick.plan.demoted:  # the choice's inputs, so an operator can tell why this replica left routing
+                logger.info("roles: cache worth of the active replicas before: %s",
+                            worth_line(tick.roles_before.active, tick.worth))
+            self._publish(ctx, tick.plan)
+        return tick.target, tick.policy_state
 
     def _publish(self, ctx: Any, plan: RolePlan) -> None:
         for verb, ids in (("woke", plan.woken), ("put to standby", plan.demoted), ("retiring", plan.retired)):

@@ -4,6 +4,8 @@
         --policies prefix_aware,pow2,round_robin --profile llama-8b-h100 --kv-gib 16 \\
         --block-tokens 64 --time-scale 0.5 --out-dir OUT
     kvtide simulate plan --trace FILE --slo-ttft-p90-ms 500 --kv-gib 16 --block-tokens 64 --out-dir OUT
+    kvtide simulate autoscale --max-replicas 8 --step-at-s 150 --step-for-s 150 --kv-gib 16 \\
+        --block-tokens 64 --utilization 0.15 --copies 4 --out-dir OUT
     kvtide simulate fit --overhead-results benchmarks/results/h100-session-2026-12-06/paired/results.json \\
         --server vllm --name llama-8b-h100 --out simulator/profiles/llama-8b-h100.json
 
@@ -11,8 +13,9 @@
 window, block size, truncation, output cap and time scale, so a simulated run and a GPU replay
 send the same requests), runs each policy on a fresh fleet, and writes OUT/results.json and
 OUT/report.md. `plan` finds the smallest replica count whose simulated TTFT p90 meets the
-objective, per policy (simulator/plan.py). `fit` fits a profile's step coefficients to a committed overhead run
-(simulator/profile.py says how).
+objective, per policy (simulator/plan.py). `autoscale` runs kvtide's autoscaler on the fleet
+through a traffic step (simulator/autoscale.py), once per variant of the autoscaling settings.
+`fit` fits a profile's step coefficients to a committed overhead run (simulator/profile.py says how).
 """
 
 from __future__ import annotations
@@ -104,6 +107,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     replay.add_argument("--measured", help="the GPU run's results.json (`kvtide bench compare`): compared per policy")
     replay.add_argument("--out-dir", required=True)
     replay.set_defaults(func=cmd_replay)
+    scale = sub.add_parser("autoscale", help="kvtide's autoscaler on a simulated fleet: a traffic step and the "
+                                             "scale-down after it, once per variant")
+    scale.add_argument("--variants", default="kv-standby:standby_replicas=1,kv:standby_replicas=0",
+                       help="NAME:KEY=VALUE+KEY=VALUE,... autoscaling settings per variant (default: a standby "
+                            "engine vs cold starts)")
+    scale.add_argument("--policy", type=_policies, default=["prefix_aware"])
+    scale.add_argument("--min-replicas", type=int, default=1)
+    scale.add_argument("--max-replicas", type=int, required=True)
+    scale.add_argument("--initial-replicas", type=int)
+    scale.add_argument("--cold-start-s", type=float, default=99.6)
+    scale.add_argument("--wake-s", type=float, default=2.2)
+    scale.add_argument("--step-at-s", type=float, required=True, help="the step starts here (trace time, scaled)")
+    scale.add_argument("--step-for-s", type=float, required=True)
+    scale.add_argument("--step-factor", type=float, default=3.0, help="arrival rate multiplier within the step")
+    scale.add_argument("--slo-ttft-s", type=float, default=DEFAULT_SLO_TTFT_S)
+    _add_fleet_flags(scale)
+    scale.set_defaults(func=cmd_autoscale)
     summary = sub.add_parser("summary", help="several `simulate run` results in one table and one figure")
     summary.add_argument("results", nargs="+", help="results.json files of `kvtide simulate run`")
     summary.add_argument("--out", required=True, help="folder for summary.md and fleet.png")
@@ -293,6 +313,91 @@ def cmd_replay(args: argparse.Namespace) -> int:
     (out / "report.md").write_text(replay_markdown(results))
     print(replay_markdown(results))
     return 0
+
+
+def _variants(text: str) -> dict[str, list[str]]:
+    """'name:key=value+key=value,...' → {name: ['autoscaling.key=value', ...]}."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, sets = part.partition(":")
+        out[name] = [f"autoscaling.{kv}" for kv in sets.split("+") if kv]
+    return out
+
+
+def cmd_autoscale(args: argparse.Namespace) -> int:
+    from kvtide.config import ConfigError, default_config_path, load_config
+    from kvtide.simulator.autoscale import AutoscaleConfig, Autoscaler, episode_summary, step_items
+    from kvtide.simulator.fleet import FleetSim, sim_requests
+
+    initial = args.initial_replicas or args.min_replicas
+    try:
+        config, items, profile, trace = _setup(args, initial)
+        items = step_items(items, args.step_at_s, args.step_for_s, args.step_factor)
+        variants = {name: AutoscaleConfig(
+            settings=load_config(default_config_path(), [*args.overrides, *sets]).autoscaling,
+            min_replicas=args.min_replicas, max_replicas=args.max_replicas, initial_replicas=initial,
+            cold_start_s=args.cold_start_s, wake_s=args.wake_s) for name, sets in _variants(args.variants).items()}
+    except (ConfigError, ValueError) as exc:
+        print(f"kvtide simulate autoscale: {exc}", file=sys.stderr)
+        return 2
+    end_s = max(i.timestamp_ms for i in items) / 1000.0
+    step_end_s = args.step_at_s + args.step_for_s
+    windows = {"before": (0.0, args.step_at_s), "step": (args.step_at_s, step_end_s), "after": (step_end_s, end_s + 1)}
+    results: dict[str, Any] = {
+        "kind": "simulated_autoscale", "command": shlex.join(["kvtide", *sys.argv[1:]]),
+        "provenance": provenance(["kvtide", *sys.argv[1:]]), "profile": dict(profile.raw),
+        "limits": config.limits.__dict__, "policy": args.policy[0], "slo_ttft_s": args.slo_ttft_s,
+        "description": (f"{len(items)} requests of `{trace}` (block tokens {args.block_tokens}, time scale "
+                        f"{args.time_scale:.4g}), {args.step_factor:g}× the arrival rate from {args.step_at_s:g} s "
+                        f"for {args.step_for_s:g} s; {args.min_replicas}–{args.max_replicas} replicas from "
+                        f"{initial}; cold start {args.cold_start_s:g} s, wake {args.wake_s:g} s; {profile.name}: "
+                        f"{config.limits.num_blocks} blocks of {config.limits.block_size} tokens each."),
+        "windows_s": windows, "variants": {}}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, autoscale in variants.items():
+        result = FleetSim(config, args.policy[0], Autoscaler(autoscale)).run(sim_requests(items, args.block_tokens,
+                                                                              config.limits.block_size))
+        summary = episode_summary(result, windows, args.slo_ttft_s, autoscale.tick_s)
+        results["variants"][name] = {"settings": autoscale.settings.model_dump(mode="json"), **summary}
+        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "report.md").write_text(autoscale_markdown(results))
+    print(autoscale_markdown(results))
+    return 0
+
+
+def autoscale_markdown(results: dict[str, Any]) -> str:
+    def ms(value: float | None) -> str:
+        return "–" if value is None else f"{value * 1e3:.0f}"
+
+    def rate(value: float | None) -> str:
+        return "–" if value is None else f"{value:.3f}"
+
+    lines = ["# Simulated autoscaling: a traffic step and the scale-down after it", "", results["description"], "",
+             "Command:", "", f"    {results['command']}", "",
+             f"| variant | replica-seconds | max replicas | SLO violations (TTFT > {results['slo_ttft_s']:g} s) | "
+             "TTFT p90 before / step / after (ms) | hit rate | first replica added serving (s after the step) |",
+             "|---|---:|---:|---:|---|---:|---:|"]
+    step_at_s = results["windows_s"]["step"][0]
+    for name, v in results["variants"].items():
+        w = v["windows"]
+        serving = next((t for t, verb, _ in v["events"] if verb == "serving" and t >= step_at_s), None)
+        lines.append(f"| {name} | {v['replica_seconds']:.0f} | {v['max_replicas']} | {v['slo_violations']} / "
+                     f"{v['num_requests']} | {ms(w['before']['ttft_p90_s'])} / {ms(w['step']['ttft_p90_s'])} / "
+                     f"{ms(w['after']['ttft_p90_s'])} | {rate(v['hit_rate'])} | "
+                     f"{'–' if serving is None else f'{serving - step_at_s:.1f}'} |")
+    downs = {name: v["scale_down"] for name, v in results["variants"].items() if v.get("scale_down")}
+    if downs:
+        lines += ["", "The first scale-down: the replica that left routing, and the requests sent in the window "
+                      "before and after it.", "",
+                  "| variant | at (s) | left | its share of the hits before | hit rate before → after | "
+                  "TTFT p90 before → after (ms) |", "|---|---:|---|---:|---|---|"]
+        for name, d in downs.items():
+            lines.append(f"| {name} | {d['at_s']:.0f} | {d['left']} | {rate(d['left_share_of_hits_before'])} | "
+                         f"{rate(d['before']['hit_rate'])} → {rate(d['after']['hit_rate'])} | "
+                         f"{ms(d['before']['ttft_p90_s'])} → {ms(d['after']['ttft_p90_s'])} |")
+    lines += ["", provenance_markdown(results["provenance"])]
+    return "\n".join(lines) + "\n"
 
 
 def replay_markdown(results: dict[str, Any]) -> str:

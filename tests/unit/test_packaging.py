@@ -33,7 +33,7 @@ ALLOWED_IMPORTS = {
     "dashboards": {"config"},
     "cluster": {"config", "autoscaling", "deployments", "dashboards"},
     "benchmarks": {"config", "autoscaling", "deployments", "cluster"},
-    "simulator": {"config", "deployments", "benchmarks"},
+    "simulator": {"config", "autoscaling", "deployments", "benchmarks"},
 }
 
 

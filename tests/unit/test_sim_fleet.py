@@ -115,7 +115,7 @@ def test_reports_carry_the_engines_digests_to_the_router():
     sim = FleetSim(config(num_replicas=2), "prefix_aware")
     result = sim.run(sim_requests(items, 64, 16))
     index = sim.policy.state.index
-    for replica in sim.replicas:
+    for replica in sim.replicas.values():
         assert replica.held
         for name in sorted(replica.held)[:20]:
             assert index.match((name,), result.end_s, engine_only=True).get(replica.replica_id) == 1
@@ -332,3 +332,42 @@ def test_runs_of_two_prompt_lengths_let_the_fit_tell_kv_reads_from_decodes():
     one = fit_runs([run(512)])
     assert not one["kv_read_fitted"] and one["step"]["per_kv_token_read_s"] == 0.0
     assert {e["source"] for e in both["equations"]} == {"run-512", "run-4096"}
+
+
+def test_ray_kv_routes_on_token_load_prefix_reuse_against_active_work():
+    """Ray's KV-aware cost: the replica caching the prefix wins at equal load; active prefill and decode work there
+    outweighs the reuse; the router's load bookkeeping empties as requests finish."""
+    from kvtide.simulator.engine import SimRequest
+    from kvtide.simulator.fleet import RayKv
+
+    router = RayKv(block_size=16, rng=random.Random(0))
+    prefix = tuple(range(10))
+    router.on_kv_events("a", prefix, [])
+
+    def request(i: int, prompt_tokens: int = 176) -> SimRequest:
+        return SimRequest(str(i), 0.0, prefix, prompt_tokens, 4)
+
+    first = request(1)
+    assert router.pick(first, ["a", "b"], 0.0) == "a"  # 16 new tokens there against 176
+    assert router.active_prefill == {"a": 16}
+    router.on_first_token(first)
+    assert router.active_prefill["a"] == 0 and router.active_decode["a"] == 176
+    # 176 context tokens decoding on a, plus 16 new: 192 > 176 new on the empty b.
+    assert router.pick(request(2), ["a", "b"], 0.0) == "b"
+    router.on_first_token(request(2))
+    router.on_finished(first)
+    router.on_finished(request(2))
+    assert router.active_decode == {"a": 0, "b": 0} and router.routed == {}
+    router.on_kv_events("a", [], prefix[5:])
+    assert router.pick(request(3), ["a", "b"], 0.0) == "a"  # half the prefix still reused there
+
+
+def test_ray_kv_learns_from_the_engines_events_in_the_fleet():
+    """In the fleet, ray_kv's view of each replica is what the engines stored and evicted, and every request finishes."""
+    items = shared_prefix_trace(num_groups=2, per_group=5)
+    sim = FleetSim(config(), "ray_kv")
+    result = sim.run(sim_requests(items, 64, 16))
+    assert all(r.finished_s is not None for r in result.requests)
+    assert {rid: held for rid, held in sim.policy.held.items() if held} == {
+        rid: r.held for rid, r in sim.replicas.items() if r.held}
+    assert sim.policy.routed == {} and not any(sim.policy.active_prefill.values())
