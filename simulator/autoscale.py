@@ -154,6 +154,7 @@ def step_items(items: list, at_s: float, for_s: float, factor: float) -> list:
 
 
 LEFT_ROUTING = ("demoted", "stopping")
+SCALE_DOWN_WINDOW_S = 120.0
 
 
 def window_stats(requests: Any, start_s: float, end_s: float, slo_ttft_s: float) -> dict[str, Any]:
@@ -170,7 +171,7 @@ def window_stats(requests: Any, start_s: float, end_s: float, slo_ttft_s: float)
 
 
 def episode_summary(result: Any, windows_s: Mapping[str, tuple[float, float]], slo_ttft_s: float,
-                    tick_s: float, scale_down_window_s: float = 120.0) -> dict[str, Any]:
+                    tick_s: float, scale_down_window_s: float = SCALE_DOWN_WINDOW_S) -> dict[str, Any]:
     """An autoscaled run's numbers: replica-seconds (standbys and starting replicas included, as they hold their
     GPU), the largest fleet, SLO violations, TTFT p90 and hit rate by window of arrival, the scaling events, and
     around the first scale-down (a replica demoted or stopping): the same over `scale_down_window_s` before and

@@ -122,6 +122,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     scale.add_argument("--step-for-s", type=float, required=True)
     scale.add_argument("--step-factor", type=float, default=3.0, help="arrival rate multiplier within the step")
     scale.add_argument("--slo-ttft-s", type=float, default=DEFAULT_SLO_TTFT_S)
+    scale.add_argument("--seeds", type=lambda text: [int(x) for x in text.split(",")], default=[0, 1, 2],
+                       help="one run per seed and variant, seeds alternating across variants (default 0,1,2; --seed is unused)")
     _add_fleet_flags(scale)
     scale.set_defaults(func=cmd_autoscale)
     summary = sub.add_parser("summary", help="several `simulate run` results in one table and one figure")
@@ -347,55 +349,75 @@ def cmd_autoscale(args: argparse.Namespace) -> int:
         "kind": "simulated_autoscale", "command": shlex.join(["kvtide", *sys.argv[1:]]),
         "provenance": provenance(["kvtide", *sys.argv[1:]]), "profile": dict(profile.raw),
         "limits": config.limits.__dict__, "policy": args.policy[0], "slo_ttft_s": args.slo_ttft_s,
+        "seeds": args.seeds,
         "description": (f"{len(items)} requests of `{trace}` (block tokens {args.block_tokens}, time scale "
                         f"{args.time_scale:.4g}), {args.step_factor:g}× the arrival rate from {args.step_at_s:g} s "
                         f"for {args.step_for_s:g} s; {args.min_replicas}–{args.max_replicas} replicas from "
                         f"{initial}; cold start {args.cold_start_s:g} s, wake {args.wake_s:g} s; {profile.name}: "
-                        f"{config.limits.num_blocks} blocks of {config.limits.block_size} tokens each."),
+                        f"{config.limits.num_blocks} blocks of {config.limits.block_size} tokens each; routing "
+                        f"{args.policy[0]}; seeds {', '.join(map(str, args.seeds))} (the router's and the "
+                        f"policy's random draws)."),
         "windows_s": windows, "variants": {}}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name, autoscale in variants.items():
-        result = FleetSim(config, args.policy[0], Autoscaler(autoscale)).run(sim_requests(items, args.block_tokens,
-                                                                              config.limits.block_size))
-        summary = episode_summary(result, windows, args.slo_ttft_s, autoscale.tick_s)
-        results["variants"][name] = {"settings": autoscale.settings.model_dump(mode="json"), **summary}
-        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    # Seeds alternate across variants, as servers alternate across repeats on a GPU.
+    for seed in args.seeds:
+        for name, autoscale in variants.items():
+            sim = FleetSim(replace(config, seed=seed), args.policy[0], Autoscaler(autoscale))
+            summary = episode_summary(sim.run(sim_requests(items, args.block_tokens, config.limits.block_size)),
+                                      windows, args.slo_ttft_s, autoscale.tick_s)
+            entry = results["variants"].setdefault(name, {"settings": autoscale.settings.model_dump(mode="json"),
+                                                          "runs": []})
+            entry["runs"].append({"seed": seed, **summary})
+            (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "report.md").write_text(autoscale_markdown(results))
     print(autoscale_markdown(results))
     return 0
 
 
 def autoscale_markdown(results: dict[str, Any]) -> str:
-    def ms(value: float | None) -> str:
-        return "–" if value is None else f"{value * 1e3:.0f}"
+    """The variants' medians (min–max over the seeds) of an autoscale run."""
+    from kvtide.benchmarks.report import percentile
+    from kvtide.simulator.autoscale import SCALE_DOWN_WINDOW_S
 
-    def rate(value: float | None) -> str:
-        return "–" if value is None else f"{value:.3f}"
+    def spread(values: list[float | None], fmt: str, scale: float = 1.0) -> str:
+        present = [v * scale for v in values if v is not None]
+        if not present:
+            return "–"
+        median, low, high = percentile(present, 50), min(present), max(present)
+        return fmt.format(median) if low == high else f"{fmt.format(median)} ({fmt.format(low)}–{fmt.format(high)})"
 
+    step_at_s, step_end_s = results["windows_s"]["step"]
     lines = ["# Simulated autoscaling: a traffic step and the scale-down after it", "", results["description"], "",
-             "Command:", "", f"    {results['command']}", "",
+             "Command:", "", f"    {results['command']}", "", "Median (min–max) over the seeds.", "",
              f"| variant | replica-seconds | max replicas | SLO violations (TTFT > {results['slo_ttft_s']:g} s) | "
              "TTFT p90 before / step / after (ms) | hit rate | first replica added serving (s after the step) |",
              "|---|---:|---:|---:|---|---:|---:|"]
-    step_at_s = results["windows_s"]["step"][0]
     for name, v in results["variants"].items():
-        w = v["windows"]
-        serving = next((t for t, verb, _ in v["events"] if verb == "serving" and t >= step_at_s), None)
-        lines.append(f"| {name} | {v['replica_seconds']:.0f} | {v['max_replicas']} | {v['slo_violations']} / "
-                     f"{v['num_requests']} | {ms(w['before']['ttft_p90_s'])} / {ms(w['step']['ttft_p90_s'])} / "
-                     f"{ms(w['after']['ttft_p90_s'])} | {rate(v['hit_rate'])} | "
-                     f"{'–' if serving is None else f'{serving - step_at_s:.1f}'} |")
-    downs = {name: v["scale_down"] for name, v in results["variants"].items() if v.get("scale_down")}
-    if downs:
-        lines += ["", "The first scale-down: the replica that left routing, and the requests sent in the window "
-                      "before and after it.", "",
-                  "| variant | at (s) | left | its share of the hits before | hit rate before → after | "
+        runs = v["runs"]
+        ttft = " / ".join(spread([r["windows"][w]["ttft_p90_s"] for r in runs], "{:.0f}", 1e3)
+                          for w in ("before", "step", "after"))
+        serving = [next((t - step_at_s for t, verb, _ in r["events"] if verb == "serving" and t >= step_at_s), None)
+                   for r in runs]
+        lines.append(f"| {name} | {spread([r['replica_seconds'] for r in runs], '{:.0f}')} | "
+                     f"{spread([r['max_replicas'] for r in runs], '{:.0f}')} | "
+                     f"{spread([r['slo_violations'] for r in runs], '{:.0f}')} / {runs[0]['num_requests']} | {ttft} | "
+                     f"{spread([r['hit_rate'] for r in runs], '{:.3f}')} | {spread(serving, '{:.1f}')} |")
+    downs = {name: [r["scale_down"] for r in v["runs"] if r.get("scale_down")] for name, v in results["variants"].items()}
+    if any(downs.values()):
+        lines += ["", "The first scale-down: the replica that left routing, and the requests sent in the "
+                      f"{SCALE_DOWN_WINDOW_S:g} s before and after it.", "",
+                  "| variant | at (s) | left (per seed) | its share of the hits before | hit rate before → after | "
                   "TTFT p90 before → after (ms) |", "|---|---:|---|---:|---|---|"]
         for name, d in downs.items():
-            lines.append(f"| {name} | {d['at_s']:.0f} | {d['left']} | {rate(d['left_share_of_hits_before'])} | "
-                         f"{rate(d['before']['hit_rate'])} → {rate(d['after']['hit_rate'])} | "
-                         f"{ms(d['before']['ttft_p90_s'])} → {ms(d['after']['ttft_p90_s'])} |")
+            if not d:
+                continue
+            lines.append(f"| {name} | {spread([x['at_s'] for x in d], '{:.0f}')} | {', '.join(x['left'] for x in d)} | "
+                         f"{spread([x['left_share_of_hits_before'] for x in d], '{:.3f}')} | "
+                         f"{spread([x['before']['hit_rate'] for x in d], '{:.3f}')} → "
+                         f"{spread([x['after']['hit_rate'] for x in d], '{:.3f}')} | "
+                         f"{spread([x['before']['ttft_p90_s'] for x in d], '{:.0f}', 1e3)} → "
+                         f"{spread([x['after']['ttft_p90_s'] for x in d], '{:.0f}', 1e3)} |")
     lines += ["", provenance_markdown(results["provenance"])]
     return "\n".join(lines) + "\n"
 
