@@ -104,3 +104,44 @@ def test_a_scale_down_demotes_the_cheapest_cache_with_cache_aware_and_stops_the_
         outcomes[chooser] = [(verb, rid) for _, verb, rid in result.scaling_events if verb in ("demoted", "stopped")]
     assert outcomes["cache_aware"][0][0] == "demoted"
     assert outcomes["ray"][0] == ("stopped", "replica-2")  # the newest of three started together: the last made
+
+
+def test_a_step_compresses_the_traces_arrivals_inside_it_and_keeps_the_rest_in_pace():
+    """step_items: arrivals within the step come factor× as fast; before it unchanged; after it shifted back to pace."""
+    from kvtide.simulator.autoscale import step_items
+
+    items = [TraceItem(float(t_ms), 64, 1, (t_ms,)) for t_ms in range(0, 10_000, 1000)]
+    stepped = step_items(items, at_s=2.0, for_s=2.0, factor=3.0)
+    assert [i.timestamp_ms for i in stepped] == pytest.approx(
+        [0, 1000, 2000, 2000 + 1000 / 3, 2000 + 2000 / 3, 3000, 3000 + 1000 / 3, 3000 + 2000 / 3, 4000, 5000])
+    assert [i.hash_ids for i in stepped] == [i.hash_ids for i in items]
+    with pytest.raises(ValueError, match="factor"):
+        step_items(items, 1.0, 1.0, 0.0)
+
+
+def test_simulate_autoscale_writes_each_variants_runs_per_seed_and_a_report(tmp_path, capsys):
+    """`kvtide simulate autoscale`: every variant runs once per seed on the stepped trace; results.json holds the runs
+    with their provenance and report.md their medians; an unknown setting is refused with exit 2."""
+    import argparse
+    import json
+
+    from kvtide.simulator.cli import register
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 512, "output_length": 16,
+                                         "hash_ids": [i % 3, 100 + i]}) + "\n" for i in range(120)))
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    base = ["simulate", "autoscale", "--trace", str(trace), "--max-replicas", "3", "--kv-gib", "1",
+            "--block-tokens", "256", "--step-at-s", "4", "--step-for-s", "4", "--seeds", "0,1",
+            "--out-dir", str(tmp_path / "out")]
+    args = parser.parse_args([*base, "--variants", "pool:standby_replicas=1,cold:standby_replicas=0"])
+    assert args.func(args) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {name: [r["seed"] for r in v["runs"]] for name, v in results["variants"].items()} == {
+        "pool": [0, 1], "cold": [0, 1]}
+    assert results["variants"]["pool"]["settings"]["standby_replicas"] == 1 and results["provenance"]["command"]
+    assert all(r["num_requests"] == 120 for v in results["variants"].values() for r in v["runs"])
+    assert "| pool |" in (tmp_path / "out" / "report.md").read_text()
+    refused = parser.parse_args([*base, "--variants", "bad:no_such_setting=1"])
+    assert refused.func(refused) == 2 and "no_such_setting" in capsys.readouterr().err
