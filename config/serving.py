@@ -51,6 +51,11 @@ class ServingConfig(Strict):
         True, description="kvtide's own request path for the requests it implements (plain generation: the "
                           "routing peer's token ids, no second tokenizing); false: vLLM's serving layer "
                           "answers every request (direct mode).")
+    peer_renders_chat: bool = Field(
+        False, description="The routing peer renders a chat that vLLM's layer answers (tools, response_format, "
+                           "logprobs, ...) with vLLM's own renderer and hands its token ids to the replica, whose "
+                           "vLLM then skips the chat template and tokenizer (kv_transfer_params.prompt_token_ids). "
+                           "The peer imports vLLM (seconds, in the background; about 0.6 GiB).")
     tool_call_parser: str | None = Field(
         None, description="Parser that turns the model's output into tool_calls (e.g. hermes, llama3_json, "
                           "mistral); needed for tool_choice auto.")

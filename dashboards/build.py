@@ -276,11 +276,15 @@ def routing() -> DashboardSpec:
     ))
     books = RowSpec("Engine books by path (kvtide's own, vLLM's layer: tools, Responses, Messages)", (
         PanelSpec("Booked requests / s by path",
-                  (Query(rate_sum(S, "ray_kvtide_engine_booked_requests_total", W, by="path"), "{{path}}"),),
+                  (Query(rate_sum(S, "ray_kvtide_engine_booked_requests_total", W, by="path"), "{{path}}"),
+                   Query(rate_sum(S, "ray_kvtide_vllm_prompts_reused_total", W),
+                         "vllm_layer, rendered by the routing peer")),
                   unit="reqps", width=8,
                   description="Generations the engines booked for the routers (pending prefill, hits), by the "
                               "path that made them: kvtide (plain chat and completions) or vllm_layer (tools, "
-                              "structured outputs, logprobs, Responses, Messages). Both are routed and scaled on."),
+                              "structured outputs, logprobs, Responses, Messages). Both are routed and scaled on. "
+                              "Of the vllm_layer chats, those whose prompt the routing peer rendered with vLLM's "
+                              "own renderer (serving.peer_renders_chat: vLLM skips rendering it again)."),
         PanelSpec("Booked uncached prompt tokens / s by path",
                   (Query(rate_sum(S, "ray_kvtide_engine_booked_prefill_tokens_total", W, by="path"), "{{path}}"),),
                   unit="short", width=8,

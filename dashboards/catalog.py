@@ -113,6 +113,10 @@ CATALOG: tuple[Metric, ...] = (
            "Generation requests by tenant (an API key's; none: keys off; unauthenticated: 401) and HTTP status.",
            "model"),
     Metric("ray_kvtide_prompt_tokens_total", _C, _I, _ING, "tokens", "Prompt tokens admitted.", "model"),
+    Metric("ray_kvtide_vllm_prompts_reused_total", _C, _I, ("model",), "requests",
+           "Chats vLLM's layer ran on the prompt the routing peer rendered with vLLM's own renderer, instead of "
+           "rendering it again.", "model",
+           needs="serving.peer_renders_chat on, its renderer built, and one chat that vLLM's layer answers"),
     Metric("ray_kvtide_output_tokens_total", _C, _I, _ING, "tokens", "Output tokens generated.", "model"),
     Metric("ray_kvtide_admission_rejections_total", _C, _I, ("model", "reason"), "requests",
            "Requests refused to protect the fleet, by reason (ingress_full, engine_queue_full: 429; timeout: 504).",

@@ -68,6 +68,8 @@ from kvtide.deployments.internal_auth import CONSULT_HEADER, consult_allowed, lo
 from kvtide.deployments.tenancy import tenant_tag
 from kvtide.deployments.routing.trust import prediction_header
 from kvtide.deployments.frontend.vllm_layer import PATH_HEADER, answers_every_request
+from kvtide.deployments.frontend.vllm_render import RenderSlot
+from kvtide.deployments.engine.vllm_openai import build_chat_renderer
 
 logger = replica_logger("router_peer")
 # Tokenize calls a thread may have waiting or running before a new request is routed by load instead:
@@ -97,6 +99,11 @@ class RouterPeer:
         self.prompts = PromptBuilder(config, tokenizer)
         self.vllm_answers_all = answers_every_request(config.serving)
         self.prompt_pool = PromptPool.for_config(config, tokenizer)  # None: tokenize on the event loop
+        if config.serving.peer_renders_chat:  # vLLM's renderer for vLLM-layer chats, built in the background
+            slot = RenderSlot()
+            for builder in [self.prompts, *(self.prompt_pool.builders if self.prompt_pool else ())]:
+                builder.vllm_render = slot
+            slot.start(functools.partial(build_chat_renderer, config, config.model))
         self.routing = PromptRouting(config, tokenizer, HotPrefixTracker(self.block_size))
 
     def __serve_build_asgi_app__(self):
@@ -124,7 +131,8 @@ class RouterPeer:
         # and hashing, and learns what the router expected it to have cached.
         room_bytes = self.buffer_bytes - len(body) - HEADER_HEADROOM_BYTES
         try:
-            headers = sign_route(self.secret, body, route_headers(self.prompts, token_ids, key, room_bytes, path))
+            headers = sign_route(self.secret, body, route_headers(
+                self.prompts, token_ids, key, room_bytes, path, prompt is not None and prompt.vllm_rendered))
         except Exception as exc:  # a bug on some input costs the replica a tokenization, never the request
             logger.warning("routing headers failed (%s); the replica tokenizes the request itself", type(exc).__name__)
             headers = {}
@@ -241,15 +249,21 @@ HEADER_HEADROOM_BYTES = 16 << 10
 
 
 def route_headers(prompts: PromptBuilder, token_ids: list[int], key: RoutingKey, room_bytes: int,
-                  path: str | None = KVTIDE_PATH) -> dict[str, str]:
+                  path: str | None = KVTIDE_PATH, vllm_rendered: bool = False) -> dict[str, str]:
     """The headers HAProxy sets on the forwarded request: the path that serves it (None: not decided, an invalid
-    body), the token ids and their block hashes where that is kvtide's own path, and the router's prediction if any.
+    body), the token ids and their block hashes where that is kvtide's own path, the token ids alone where vLLM's
+    renderer made them for its layer (`vllm_rendered`, vllm_render.py), and the router's prediction if any.
 
     The token ids and hashes only if they fit in `room_bytes`, what HAProxy's buffer has left
     beside the body: a header that does not fit fails HAProxy's rewrite, and the request with
     it (the replica tokenizes and hashes when the headers are absent).
     """
-    tokens = prompts.routed_tokens_header(token_ids, key.block_hashes) if path == KVTIDE_PATH else {}
+    if path == KVTIDE_PATH:
+        tokens = prompts.routed_tokens_header(token_ids, key.block_hashes)
+    elif path == VLLM_LAYER_PATH and vllm_rendered:
+        tokens = prompts.routed_tokens_header(token_ids)
+    else:
+        tokens = {}
     if sum(len(k) + len(v) + 4 for k, v in tokens.items()) > room_bytes:
         tokens = {}
     return {**({PATH_HEADER: path} if path else {}), **tokens, **prediction_header(key.decision)}

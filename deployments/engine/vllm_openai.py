@@ -66,6 +66,32 @@ def server_args(config: KvtideConfig, engine: Any) -> Any:
     return args
 
 
+def build_chat_renderer(config: KvtideConfig, model_path: str) -> tuple[Any, Any]:
+    """(vLLM's OnlineRenderer, its chat request model) for this replica's model and serving options, built as vLLM's
+    GPU-less render server builds them (vllm.entrypoints.launchers.render): the engine's arguments make the model
+    config, `server_args` the serving options, so it renders what this replica's vLLM layer renders. Imports vLLM
+    (seconds); no GPU, no engine."""
+    import asyncio
+
+    from starlette.datastructures import State
+    from vllm import AsyncEngineArgs
+    from vllm.config import VllmConfig
+    from vllm.entrypoints.launchers.render.app_state import init_render_app_state
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    from kvtide.deployments.engine.placement import engine_kwargs
+
+    engine_args = AsyncEngineArgs(**engine_kwargs(config, model_path))
+    model_config = engine_args.create_model_config()
+    model_config.quantization = None  # rendering runs no kernel (vLLM's render server does the same)
+    vllm_config = VllmConfig(model_config=model_config, logging_config=engine_args.create_logging_config(),
+                             structured_outputs_config=engine_args.create_structured_outputs_config())
+    state = State()
+    asyncio.run(init_render_app_state(vllm_config, state,
+                                      server_args(config, types.SimpleNamespace(vllm_config=vllm_config))))
+    return state.online_renderer, ChatCompletionRequest
+
+
 def system_fingerprint(app: Any) -> str | None:
     """The fingerprint vLLM's layer puts in its responses (None where this vLLM has none)."""
     chat = getattr(app.state, "openai_serving_chat", None)

@@ -51,6 +51,9 @@ class FrontendMetrics:
             "keys off; unauthenticated: refused with 401) and HTTP status.", tag_keys=("model", "tenant", "status"))
         self.prompt_tokens = metrics.Counter(
             "kvtide_prompt_tokens", "Prompt tokens admitted.", tag_keys=tags)
+        self.vllm_prompts_reused = metrics.Counter(
+            "kvtide_vllm_prompts_reused", "Chats vLLM's layer ran on the prompt the routing peer rendered with vLLM's "
+            "own renderer, instead of rendering it again (serving.peer_renders_chat).", tag_keys=("model",))
         self.output_tokens = metrics.Counter(
             "kvtide_output_tokens", "Output tokens generated.", tag_keys=tags)
         self.admission_rejections = metrics.Counter(

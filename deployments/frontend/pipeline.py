@@ -26,6 +26,7 @@ in this process; requests of other policies carry none and record nothing.
 
 from __future__ import annotations
 
+import json
 import asyncio
 import time
 import traceback
@@ -57,8 +58,9 @@ from kvtide.deployments.frontend.prompts import (
 from kvtide.deployments.frontend.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, Usage, chat_response,
                                                  completion_response, now_s)
 from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, PromptRouting, decode_block_hashes
-from kvtide.deployments.tenancy import (request_tenant, scoped_body_bytes, scoped_headers, scoped_path,
-                                                 tenant_tag, with_tenant_salt)
+from kvtide.deployments.frontend.vllm_render import eligible_chat, with_prompt_token_ids
+from kvtide.deployments.tenancy import (request_tenant, scoped_body, scoped_body_bytes, scoped_headers, scoped_path,
+                                        tenant_tag, with_tenant_salt)
 from kvtide.deployments.internal_auth import verified_route_headers
 from kvtide.deployments.routing.block_hash import BlockHash
 from kvtide.deployments.routing.trust import (
@@ -124,6 +126,22 @@ def sampling_spec(req: CompletionRequest | ChatCompletionRequest, max_tokens: in
         repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
         stop_token_ids=tuple(req.stop_token_ids or ()), include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, spaces_between_special_tokens=req.spaces_between_special_tokens)
+
+
+def vllm_layer_body(body: bytes, data: Any, tag: str | None, isolate: bool, endpoint: str,
+                    routed: dict[str, str]) -> tuple[bytes, bool]:
+    """The body vLLM's layer gets, and whether it carries the routing peer's prompt: scoped to the tenant
+    (tenancy.scoped_body), and for a chat the peer rendered with vLLM's own renderer (vllm_render.py: its ids
+    come in the signed routed-tokens header, on the vLLM-layer path the peer chose) with those ids handed to
+    vLLM, which then skips the chat template and the tokenizer. `routed`: the verified router headers."""
+    ids = (decode_token_ids(routed.get(ROUTED_TOKENS_HEADER))
+           if endpoint == "chat" and routed.get(PATH_HEADER) == VLLM_LAYER_PATH else None)
+    if ids:
+        scoped = scoped_body(data, tag, isolate)
+        target = data if scoped is None else scoped
+        if eligible_chat(target):
+            return json.dumps(with_prompt_token_ids(target, ids), ensure_ascii=False).encode("utf-8"), True
+    return scoped_body_bytes(body, data, tag, isolate), False
 
 
 class OpenAIFrontend:
@@ -206,7 +224,7 @@ class OpenAIFrontend:
                     self.prompts.check_common_fields(data, endpoint)
                 refuse_prompt_logprobs(data, endpoint, self.refuses_prompt_logprobs)
                 streaming = True  # the response holds the ticket until it ends
-                return self.via_vllm(scoped_body_bytes(body, data, tag, self.tenant_cache_isolation), endpoint,
+                return self.via_vllm(self._vllm_body(body, data, tag, endpoint, routed), endpoint,
                                      ticket, deadline, model=served_model(data, self.model_name, self.prompts.adapters),
                                      arrived_s=timing.arrived_s, own_request_id=names_its_request_id(data),
                                      path=get_route_path(request.scope), tag=tag, routed=Routed(prediction))
@@ -231,6 +249,12 @@ class OpenAIFrontend:
         finally:
             if not streaming:  # a stream's body releases the gate when it ends
                 ticket.release()
+
+    def _vllm_body(self, body: bytes, data: Any, tag: str | None, endpoint: str, routed: dict[str, str]) -> bytes:
+        out, reused = vllm_layer_body(body, data, tag, self.tenant_cache_isolation, endpoint, routed)
+        if reused:
+            self.metrics.vllm_prompts_reused.inc(tags={"model": self.model_name})
+        return out
 
     def _path(self, routed: dict[str, str], data: Any, endpoint: str) -> str:
         """The path serving the request: the routing peer's decision where its signature holds, else made here

@@ -29,6 +29,7 @@ class PromptPool:
     def __init__(self, builders: list[PromptBuilder]):
         if not builders:
             raise ValueError("a PromptPool needs at least one builder")
+        self.builders = list(builders)
         self._free: queue.SimpleQueue[PromptBuilder] = queue.SimpleQueue()
         for builder in builders:
             self._free.put(builder)

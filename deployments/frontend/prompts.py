@@ -91,6 +91,9 @@ class Prompt:
     request: CompletionRequest | ChatCompletionRequest | RoutingOnlyRequest
     token_ids: list[int]
     max_tokens: int
+    # The ids are vLLM's own rendering of a chat its layer answers (vllm_render.py): the replica hands them
+    # to vLLM instead of rendering again.
+    vllm_rendered: bool = False
 
 
 def parse_json_body(body: bytes) -> Any:
@@ -160,6 +163,8 @@ class PromptBuilder:
 
     def __init__(self, config: KvtideConfig, tokenizer: Any):
         self.tokenizer = tokenizer
+        # The routing peer's vLLM renderer (vllm_render.RenderSlot) when serving.peer_renders_chat is on.
+        self.vllm_render: Any = None
         self.encode = TokenEncoder(tokenizer)
         self.model_name = config.model_name
         self.max_model_len = config.engine.max_model_len
@@ -268,6 +273,9 @@ class PromptBuilder:
         try:
             if endpoint in _TOKEN_PROMPT_ENDPOINTS:
                 token_ids = self._token_prompt(endpoint, data)
+            elif endpoint == "chat" and self.vllm_render is not None and (
+                    ids := self.vllm_render.prompt_ids(data)):
+                return Prompt(request, ids, 0, vllm_rendered=True)
             elif endpoint != "completions":
                 view = chat_view(endpoint, data)
                 if view is None or not view.messages:

@@ -36,6 +36,9 @@ def pytest_collection_modifyitems(items):
 _PARITY = yaml.safe_load((REPO / "config/presets/cpu-parity.yaml").read_text())
 SESSION_CONFIG = load_config(REPO / "config/presets/cpu.yaml", [
     f"serving={json.dumps(_PARITY['serving'])}", f"lora={json.dumps(_PARITY['lora'])}",
+    # The routing peer renders vLLM-layer chats with vLLM's renderer: the parity tests then also pin that the
+    # ids it hands over give vLLM's own answers (test_routing has the test that waits until it is built).
+    "serving.peer_renders_chat=true",
     f"http.port={HTTP_PORT}", f"metrics.port={METRICS_PORT}",
     # Autoscaling stats every 1 s, so the autoscaling test reacts within its short delays.
     "autoscaling.metrics_push_interval_s=1"])

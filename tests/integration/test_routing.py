@@ -187,6 +187,30 @@ def test_agent_requests_answered_by_vllms_layer_are_booked_as_plain_chat_is(http
     assert delta["true_hits"] >= len(apis) - 1, delta
 
 
+def test_a_chat_the_peer_rendered_with_vllms_renderer_gets_the_answer_vllm_gives_when_it_renders_itself(http, cluster):
+    """serving.peer_renders_chat (on in the session's config): once the peer's vLLM renderer is built, a tools chat
+    reaches vLLM's layer with the peer's token ids (the reuse counter moves) and gets, token for token, the greedy
+    answer and usage of the same chat that vLLM renders itself (the client's own kv_transfer_params keeps the peer's
+    ids out of it: eligible_chat)."""
+    body = {"model": cluster.model_name, "max_tokens": 8, "temperature": 0, "tools": AGENT_TOOLS,
+            "tool_choice": "none", **_chat_with_system(_prefix(43, 300), "Which word comes first?")}
+    counted = lambda: metric_sum(cluster.metrics_url, "ray_kvtide_vllm_prompts_reused_total")  # noqa: E731
+    start = counted()
+
+    def handed_over() -> bool:
+        resp = http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        return counted() > start
+
+    # Built once, the renderer stays: every eligible chat from here on is handed over.
+    wait_for(handed_over, timeout_s=180, interval_s=1.0, what="the peer's vLLM renderer to hand a chat over")
+    reused = http.post("/v1/chat/completions", json=body)
+    rendered = http.post("/v1/chat/completions", json={**body, "kv_transfer_params": {}})
+    assert reused.status_code == rendered.status_code == 200, (reused.text, rendered.text)
+    assert reused.json()["choices"] == rendered.json()["choices"]
+    assert reused.json()["usage"]["prompt_tokens"] == rendered.json()["usage"]["prompt_tokens"]
+
+
 def test_the_agentic_workloads_sessions_run_whole_through_all_three_apis_each_on_one_replica(cluster):
     """The benchmark's agentic sessions (benchmarks/agentic.py) against the real fleet: every turn of a chat-with-tools,
     a Messages and a Responses session (tool calls and results resent, or previous_response_id) is answered, and each

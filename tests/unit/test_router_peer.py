@@ -26,7 +26,7 @@ from kvtide.deployments.frontend.hot_prefixes import HotPrefixTracker
 from kvtide.deployments.internal_auth import CONSULT_HEADER, ROUTE_SIGNATURE_HEADER, consult_token
 from kvtide.deployments.messages import RoutingKey
 from kvtide.deployments.frontend.prompt_pool import PromptPool
-from kvtide.deployments.frontend.prompts import ROUTED_TOKENS_HEADER, PromptBuilder
+from kvtide.deployments.frontend.prompts import ROUTED_TOKENS_HEADER, PromptBuilder, decode_token_ids
 from kvtide.deployments.frontend.routing_key import ROUTED_HASHES_HEADER, PromptRouting, decode_block_hashes
 from kvtide.deployments.routing.ray_router import PrefixAwareRouter
 from kvtide.deployments.router_peer import HEADER_HEADROOM_BYTES, RouterPeer, route_app, route_headers
@@ -331,3 +331,24 @@ def test_a_keyless_consult_costs_the_peer_under_a_millisecond():
         return sorted(costs)[len(costs) // 2]
 
     assert asyncio.run(scenario()) < 1e-3
+
+
+def test_a_chat_vllms_renderer_rendered_in_the_peer_travels_as_its_token_ids_to_vllms_layer():
+    """With vLLM's renderer in the peer (serving.peer_renders_chat), a tools chat routes on the ids it rendered and
+    they go signed to the replica, without hashes (vLLM hashes its own blocks); without it, no ids go."""
+    rendered = list(range(10, 50))
+
+    class StandInRender:  # vLLM's renderer itself is tested in test_vllm_render.py
+        def prompt_ids(self, data):
+            return rendered if data.get("tools") else None
+
+    async def scenario(render):
+        prompts = PromptBuilder(CONFIG, FakeTokenizer())
+        prompts.vllm_render = render
+        router, replicas = _one_replica_router()
+        return await RouterPeer.route(_stand_in_peer(prompts, router, replicas), TOOLS_BODY)
+
+    headers = asyncio.run(scenario(StandInRender()))["request_headers"]
+    assert headers[PATH_HEADER] == VLLM_LAYER_PATH and ROUTE_SIGNATURE_HEADER in headers
+    assert decode_token_ids(headers[ROUTED_TOKENS_HEADER]) == rendered and ROUTED_HASHES_HEADER not in headers
+    assert ROUTED_TOKENS_HEADER not in asyncio.run(scenario(None))["request_headers"]
