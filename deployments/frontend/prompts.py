@@ -223,10 +223,10 @@ class PromptBuilder:
         """Best-effort prompt of a raw body, for routing only: None when it is not a valid request."""
         return self.routing_view(body, tenant_tag, isolate_caches)[0]
 
-    def routing_view(self, body: bytes, tenant_tag: str | None = None,
-                     isolate_caches: bool = True) -> tuple[Prompt | None, str | None]:
+    def routing_view(self, body: bytes, tenant_tag: str | None = None, isolate_caches: bool = True,
+                     answers_all: bool = False) -> tuple[Prompt | None, str | None]:
         """A raw body's prompt for routing (None when it does not render: not a valid request, or one vLLM's layer
-        will refuse) and the path that will serve it (vllm_layer.request_path without a serving option that makes
+        will refuse) and the path that will serve it (vllm_layer.request_path; `answers_all`: a serving option makes
         vLLM's layer answer everything; None when the body is no JSON object with a known shape).
 
         The replica that serves the request validates it again and answers any error itself.
@@ -236,7 +236,7 @@ class PromptBuilder:
         try:
             data = with_tenant_salt(parse_json_body(body), tenant_tag, isolate_caches)
             endpoint = body_endpoint(data)
-            path = request_path(data, endpoint, self.adapters, answers_all=False)
+            path = request_path(data, endpoint, self.adapters, answers_all=answers_all)
             if path == VLLM_LAYER_PATH:
                 return self._vllm_layer_routing_prompt(endpoint, data), path
             return self.build(endpoint, data), path
