@@ -11,7 +11,8 @@
 #                                              REPEATS alternated measured starts per server, default 3, each after
 #                                              one unmeasured warm-up start: benchmarks/protocol.py)
 #   bash benchmarks/h200/run.sh overhead-8b    the same with a Llama-3.1-8B-shaped model built on the device
-#                                              (TTFT_PATHS=N: first N rounds of one stream's TTFT by path)
+#                                              (TTFT_PATHS=N: first N rounds of one stream's TTFT by path; issue 49's
+#                                              hand-over: SERVERS=kvtide-vllm-layer,kvtide-vllm-layer-rendered,vllm)
 #   bash benchmarks/h200/run.sh overhead-8b-inline  kvtide alone, its routing peer tokenizing on the event loop
 #                                              (router_tokenize_threads=0; CONCURRENCY_AB, default 16,64)
 #   bash benchmarks/h200/run.sh overhead-8b-peer    Ray Serve LLM alone (direct streaming, default router), same levels
