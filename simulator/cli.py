@@ -370,6 +370,9 @@ def cmd_autoscale(args: argparse.Namespace) -> int:
                                                           "runs": []})
             entry["runs"].append({"seed": seed, **summary})
             (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    from kvtide.simulator.summary import write_timeline
+
+    write_timeline(results, out / "timeline.png")
     (out / "report.md").write_text(autoscale_markdown(results))
     print(autoscale_markdown(results))
     return 0
@@ -389,7 +392,8 @@ def autoscale_markdown(results: dict[str, Any]) -> str:
 
     step_at_s, step_end_s = results["windows_s"]["step"]
     lines = ["# Simulated autoscaling: a traffic step and the scale-down after it", "", results["description"], "",
-             "Command:", "", f"    {results['command']}", "", "Median (min–max) over the seeds.", "",
+             "Command:", "", f"    {results['command']}", "", "Median (min–max) over the seeds.",
+             "[timeline.png](timeline.png): replicas over time per variant (the first seed's run; the step shaded).", "",
              f"| variant | replica-seconds | max replicas | SLO violations (TTFT > {results['slo_ttft_s']:g} s) | "
              "TTFT p90 before / step / after (ms) | hit rate | first replica added serving (s after the step) |",
              "|---|---:|---:|---:|---|---:|---:|"]

@@ -75,3 +75,31 @@ def write_summary(result_paths: Sequence[str], out_dir: str) -> tuple[Path, Path
     md = out / "summary.md"
     md.write_text(summary_markdown(table, list(result_paths)))
     return md, write_figure(table, out / "fleet.png")
+
+
+def write_timeline(results: Mapping[str, Any], path: Path) -> Path:
+    """An autoscale run's replicas over time (serving, standby, starting) per variant, its first seed's run; the
+    step's window shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = results["variants"]
+    fig, axes = plt.subplots(len(variants), 1, figsize=(9, 2.2 * len(variants)), sharex=True, squeeze=False)
+    step_at_s, step_end_s = results["windows_s"]["step"]
+    for ax, (name, variant) in zip(axes[:, 0], variants.items()):
+        counts = variant["runs"][0]["replica_counts"]
+        times = [c[0] for c in counts]
+        for index, label in ((1, "serving"), (2, "standby"), (3, "starting")):
+            ax.step(times, [c[index] for c in counts], where="post", label=label)
+        if step_end_s > step_at_s:
+            ax.axvspan(step_at_s, step_end_s, color="grey", alpha=0.15)
+        ax.set_ylabel("replicas")
+        ax.set_title(name, fontsize=9)
+    axes[0, 0].legend(fontsize=7, loc="upper left")
+    axes[-1, 0].set_xlabel("simulated time (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -121,7 +121,8 @@ def test_a_step_compresses_the_traces_arrivals_inside_it_and_keeps_the_rest_in_p
 
 def test_simulate_autoscale_writes_each_variants_runs_per_seed_and_a_report(tmp_path, capsys):
     """`kvtide simulate autoscale`: every variant runs once per seed on the stepped trace; results.json holds the runs
-    with their provenance and report.md their medians; an unknown setting is refused with exit 2."""
+    with their provenance, report.md their medians, timeline.png the replicas over time; an unknown setting is
+    refused with exit 2."""
     import argparse
     import json
 
@@ -143,5 +144,6 @@ def test_simulate_autoscale_writes_each_variants_runs_per_seed_and_a_report(tmp_
     assert results["variants"]["pool"]["settings"]["standby_replicas"] == 1 and results["provenance"]["command"]
     assert all(r["num_requests"] == 120 for v in results["variants"].values() for r in v["runs"])
     assert "| pool |" in (tmp_path / "out" / "report.md").read_text()
+    assert (tmp_path / "out" / "timeline.png").stat().st_size > 0
     refused = parser.parse_args([*base, "--variants", "bad:no_such_setting=1"])
     assert refused.func(refused) == 2 and "no_such_setting" in capsys.readouterr().err
