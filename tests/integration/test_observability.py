@@ -4,7 +4,8 @@ A real Prometheus (Debian's /usr/bin/prometheus) scrapes the cluster's Ray metri
 every second and loads the generated rule file. The test drives OpenAI traffic on the
 session's app (completions and chat, streamed and not, client errors, a shared prefix for
 prefix-cache hits, two requests one after the other on one prefix so the router's predicted
-hit is one the engine confirms, a client that hangs up mid-stream) and on a "pressure" app
+hit is one the engine confirms, a tools chat the routing peer renders with vLLM's renderer,
+a client that hangs up mid-stream) and on a "pressure" app
 of its own whose shape produces the series light traffic never does:
 
     pressure app   autoscaling on (min = max = 1): the KV policy decides every tick
@@ -166,6 +167,19 @@ def _drive_traffic(cluster) -> int:
         assert post("/v1/completions", {"model": model, "prompt": pair_prefix + [100 + i] * 8,
                                         "max_tokens": 4}).status_code == 200
         sent += 1
+    # A tools chat, answered by vLLM's layer, until one reaches it rendered by the routing peer (the session runs
+    # with serving.peer_renders_chat; the peer builds vLLM's renderer in the background): the reuse counter.
+    tools_chat = {"model": model, "max_tokens": 2, "tool_choice": "none", "messages": [{"role": "user", "content": "hi"}],
+                  "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    chats = []
+
+    def handed_over() -> bool:
+        assert post("/v1/chat/completions", tools_chat).status_code == 200
+        chats.append(1)
+        return metric_sum(cluster.metrics_url, "ray_kvtide_vllm_prompts_reused_total") > 0
+
+    wait_for(handed_over, 180, 1.0, "a chat the routing peer rendered with vLLM's renderer")
+    sent += len(chats)
     # A client that hangs up mid-stream: the engine aborts the request (aborted counter, status 499).
     with httpx.Client(base_url=url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json={"model": model, "prompt": "import", "max_tokens": 2000,
