@@ -380,15 +380,11 @@ def cmd_autoscale(args: argparse.Namespace) -> int:
 
 def autoscale_markdown(results: dict[str, Any]) -> str:
     """The variants' medians (min–max over the seeds) of an autoscale run."""
-    from kvtide.benchmarks.report import percentile
+    from kvtide.benchmarks.protocol import format_spread, summarize_repeats
     from kvtide.simulator.autoscale import SCALE_DOWN_WINDOW_S
 
     def spread(values: list[float | None], fmt: str, scale: float = 1.0) -> str:
-        present = [v * scale for v in values if v is not None]
-        if not present:
-            return "–"
-        median, low, high = percentile(present, 50), min(present), max(present)
-        return fmt.format(median) if low == high else f"{fmt.format(median)} ({fmt.format(low)}–{fmt.format(high)})"
+        return format_spread(summarize_repeats(values), scale=scale, fmt=fmt)
 
     step_at_s, step_end_s = results["windows_s"]["step"]
     lines = ["# Simulated autoscaling: a traffic step and the scale-down after it", "", results["description"], "",

@@ -264,10 +264,9 @@ class SimReplica:
         self.started_s = 0.0
         self.serial = index  # creation order (FleetSim sets it)
 
-    def forget_cache(self, holders: dict[int, int]) -> None:
-        """Sleep level 1 frees the engine's KV: an empty cache, a fresh digest epoch."""
-        for name in self.held:
-            _drop_holder(holders, name)
+    def forget_cache(self) -> None:
+        """Sleep level 1 frees the engine's KV: an empty cache, a fresh digest epoch (FleetSim._cache_gone first
+        takes its blocks out of the fleet's views)."""
         self.held.clear()
         self.engine = EngineModel(self.engine.limits, self.engine.profile)
         self.journal = DigestJournal(self.replica_id, epoch=self.journal.epoch + 1)
@@ -424,17 +423,20 @@ class FleetSim:
             return
         if replica.state == "draining":
             replica.state = "asleep"
-            if self._events_hook is not None:
-                self._events_hook(replica.replica_id, [], list(replica.held))
-            replica.forget_cache(self.holders if self.holders is not None else {})
+            self._cache_gone(replica)
+            replica.forget_cache()
         elif replica.state == "stopping":
             del self.replicas[replica.replica_id]
-            if self._events_hook is not None:
-                self._events_hook(replica.replica_id, [], list(replica.held))
-            for name in replica.held:
-                if self.holders is not None:
-                    _drop_holder(self.holders, name)
+            self._cache_gone(replica)
             self.scaling_events.append((now_s, "stopped", replica.replica_id))
+
+    def _cache_gone(self, replica: SimReplica) -> None:
+        """Every block `replica` holds leaves the fleet's views: the KV-event hook's (ray_kv) and the holder counts."""
+        if self._events_hook is not None:
+            self._events_hook(replica.replica_id, [], list(replica.held))
+        if self.holders is not None:
+            for name in replica.held:
+                _drop_holder(self.holders, name)
 
     def _predict_exclusive(self, request: SimRequest, replica: SimReplica) -> None:
         """The prompt tokens the picked replica holds that no other replica holds (routing.trust's prediction)."""
