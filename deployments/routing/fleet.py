@@ -42,6 +42,7 @@ from typing import Any, Generator, Iterable, Mapping
 from kvtide.deployments.routing.backlog import PrefillBacklog
 from kvtide.deployments.routing.pick_load import PickCounts
 from kvtide.deployments.routing.policy import RouterState
+from kvtide.deployments.routing.stages.scorers import cpu_block_weight
 from kvtide.deployments.routing.snapshot import CacheDigest, ReplicaSnapshot
 
 # Block updates per digest slice in the router (deployments.routing.ray_router): each slice decodes and sets
@@ -64,11 +65,15 @@ def _durations(value: Any) -> tuple[float, ...]:
     return quantiles if all(math.isfinite(q) and q >= 0 for q in quantiles) else ()
 
 
+_NOT_REPORTED = (0, 0, 0.0, 0, 0.0, 1.0)
+
+
 def rekey(digest: CacheDigest, replica_id: str) -> CacheDigest:
     """Digests are keyed by the router's replica id (the engine may name itself differently)."""
     if digest.replica_id == replica_id:
         return digest
-    return replace(digest, replica_id=replica_id)
+    cpu = digest.cpu if digest.cpu is None else replace(digest.cpu, replica_id=replica_id)
+    return replace(digest, replica_id=replica_id, cpu=cpu)
 
 
 class FleetView:
@@ -80,8 +85,8 @@ class FleetView:
         self._queued: deque[CacheDigest] = deque()  # rekeyed, in arrival order
         self._newest_queued: dict[str, tuple[int, int]] = {}  # replica → (epoch, sequence) last queued
         self._applying: tuple[CacheDigest, Generator[None, None, bool]] | None = None
-        # replica → (running, waiting, kv usage, pending prefill tokens, its drain rate)
-        self._reported: dict[str, tuple[int, int, float, int, float]] = {}
+        # replica → (running, waiting, kv usage, pending prefill tokens, its drain rate, CPU-tier block weight)
+        self._reported: dict[str, tuple[int, int, float, int, float, float]] = {}
         self._picks = PickCounts()  # pick-only choices since each replica's last report
         self._backlog = PrefillBacklog()  # prefill tokens ahead, reported + booked, drained between reports
         self._snapshots: dict[str, tuple[tuple[int, int, int], ReplicaSnapshot]] = {}  # replica → (inputs, snapshot)
@@ -99,9 +104,11 @@ class FleetView:
                 self._receive(rekey(digest, rid))
             reported_s = stats.get("reported_s")
             new_report = self._picks.on_report(rid, reported_s, _durations(stats.get("request_durations_s")))
+            prefill_tokens_per_s = float(stats.get("prefill_tokens_per_s", 0.0))
             reported = (int(stats.get("num_running", 0)), int(stats.get("num_waiting", 0)),
                         float(stats.get("kv_usage_perc", 0.0)), int(stats.get("pending_prefill_tokens", 0)),
-                        float(stats.get("prefill_tokens_per_s", 0.0)))
+                        prefill_tokens_per_s,
+                        cpu_block_weight(prefill_tokens_per_s, float(stats.get("onload_tokens_per_s", 0.0))))
             if new_report or reported != self._reported.get(rid):  # (a new report also drops the booked prefill)
                 self._reported[rid] = reported
                 self._backlog.on_report(rid, reported[3], reported[4],
@@ -206,8 +213,8 @@ class FleetView:
             cached = cache.get(rid)
             if cached is None or cached[0] != key:
                 confirmed, unreported, pending = key
-                running, waiting, kv_usage = self._reported.get(rid, (0, 0, 0.0, 0, 0.0))[:3]
+                running, waiting, kv_usage, _, _, weight = self._reported.get(rid, _NOT_REPORTED)
                 cached = cache[rid] = (key, ReplicaSnapshot(rid, max(confirmed, unreported), running, waiting,
-                                                            kv_usage, pending, confirmed, unreported))
+                                                            kv_usage, pending, confirmed, unreported, weight))
             out.append(cached[1])
         return out

@@ -554,6 +554,19 @@ class PrefixIndex:
         """The replica's engine-truth set as last applied (a copy)."""
         return frozenset(self._engine_blocks.get(replica_id, ()))
 
+    def run_held_by(self, replica_id: str, hashes: Sequence[BlockHash], start: int) -> int:
+        """How many of `hashes`, from position `start`, the replica's engine holds in a row (engine truth only:
+        what a CPU tier's load would bring in after the blocks found on GPU)."""
+        blocks = self._engine_blocks.get(replica_id)
+        if not blocks:
+            return 0
+        count = 0
+        for block in islice(hashes, start, None):
+            if block not in blocks:
+                break
+            count += 1
+        return count
+
     def applied(self, replica_id: str) -> tuple[int, int] | None:
         """(epoch, sequence) of the engine state the replica's set equals, None before any report."""
         return self._applied.get(replica_id)

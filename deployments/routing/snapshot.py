@@ -84,6 +84,9 @@ class ReplicaSnapshot:
     # yet, and probably not finished (`pick_load.PickCounts.in_flight`): they queue on top of
     # the reported load (direct mode; 0 elsewhere).
     unreported_picks: int = 0
+    # What loading one block from this replica's CPU tier costs relative to prefilling it, in
+    # (0, 1] (`stages.scorers.cpu_block_weight`, from its measured prefill and onload rates).
+    cpu_block_weight: float = 1.0
     # Requests ahead of a new one: whichever of the two views counts more (the engine's view
     # with the picks it has not reported yet). A field computed once, not a property: the
     # policy reads it for every replica of every decision.
@@ -188,6 +191,9 @@ class CacheDigest:
     all_cleared: bool = False
     timestamp_s: float = 0.0  # the engine's clock; informational (clocks differ across hosts)
     deltas: tuple[BlockDelta, ...] = ()
+    # The engine's CPU tier (vLLM's KV offloading), digested the same way with its own sequence;
+    # None: no CPU tier (or none reported yet). Its replica_id and epoch are this digest's.
+    cpu: "CacheDigest | None" = None
     num_blocks: int = field(init=False)  # blocks in the full set (0 without one)
 
     def __post_init__(self) -> None:
@@ -203,8 +209,8 @@ class CacheDigest:
     @classmethod
     def from_hashes(cls, replica_id: str, epoch: int, sequence: int, hashes: Iterable[BlockHash], *,
                     all_cleared: bool = False, timestamp_s: float = 0.0,
-                    deltas: tuple[BlockDelta, ...] = ()) -> "CacheDigest":
-        return cls(replica_id, epoch, sequence, pack_hashes(hashes), all_cleared, timestamp_s, deltas)
+                    deltas: tuple[BlockDelta, ...] = (), cpu: "CacheDigest | None" = None) -> "CacheDigest":
+        return cls(replica_id, epoch, sequence, pack_hashes(hashes), all_cleared, timestamp_s, deltas, cpu)
 
     @property
     def has_full_set(self) -> bool:

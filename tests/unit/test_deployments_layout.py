@@ -62,5 +62,5 @@ def test_parts_of_deployments_import_only_downwards():
 def test_the_routing_policy_imports_no_ray():
     """Every routing module but the `ray_*` adapters is pure: no Ray import, so it is tested without Ray."""
     impure = {p.name: sorted(m for m in _imports(p) if m == "ray" or m.startswith("ray."))
-              for p in sorted((DEPLOYMENTS / "routing").glob("*.py")) if not p.name.startswith("ray_")}
+              for p in sorted((DEPLOYMENTS / "routing").rglob("*.py")) if not p.name.startswith("ray_")}
     assert {name: mods for name, mods in impure.items() if mods} == {}
