@@ -15,6 +15,13 @@ so this is the number to size min/max replicas with.
                               max(kv_heads, tp) / kv_heads), because with tp > kv_heads
                               every GPU still stores one whole KV head (replicated)
 
+CPU KV tier (engine.kv_offload, vLLM's native KV offloading): size_gib of pinned host memory per
+replica, the total over its TP workers, each holding its share of every block as on GPU:
+    CPU-tier blocks         = size_gib × 2^30 ÷ (replicated KV bytes per token × block_size)
+A working set of prompt tokens is held by GPU + CPU capacity; a block found in the CPU tier is
+loaded back (a host→GPU copy), not recomputed. Running requests need their KV on GPU, so the
+concurrency figures count the GPU tier alone.
+
 Suggested TP: the smallest power of two (1, 2, 4, …, 64) whose replica holds at least
 `min_full_context_requests` (default 4) requests at full `max_model_len`, and that
 divides the attention-head count when it is known (vLLM's TP requirement). Above 8 it
@@ -31,6 +38,7 @@ Parameter estimate from config.json (Llama-style decoder, gated MLP):
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +55,7 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_ACTIVATION_RESERVE_GIB = 2.0
 DEFAULT_MIN_FULL_CONTEXT_REQUESTS = 4
 DEFAULT_TYPICAL_LENS = (1024, 4096)
+DEFAULT_BLOCK_SIZE = 16  # vLLM's and kvtide's engine.block_size default
 _TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -153,10 +162,32 @@ class CapacityPlan:
     min_full_context_requests: int
     gpu_memory_utilization: float
     activation_reserve_gib: float
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_blocks_per_replica: int = 0
+    # The CPU KV tier: its host memory per replica (engine.kv_offload.size_gib; 0: no tier) and what it holds.
+    cpu_kv_bytes_per_replica: int = 0
+    cpu_kv_tokens_per_replica: int = 0
+    cpu_kv_blocks_per_replica: int = 0
+    # Replicas whose KV holds a working set of prompt tokens: on GPU KV alone, and on GPU + CPU.
+    working_set_tokens: int | None = None
+    working_set_replicas_gpu: int | None = None
+    working_set_replicas: int | None = None
 
     @property
     def fits(self) -> bool:
         return self.kv_tokens_per_replica >= self.max_model_len
+
+    @property
+    def total_kv_tokens_per_replica(self) -> int:
+        """Tokens one replica's GPU KV and CPU tier hold together (the CPU tier alone holds none that run)."""
+        if self.kv_tokens_per_replica <= 0:
+            return 0
+        return self.kv_tokens_per_replica + self.cpu_kv_tokens_per_replica
+
+
+def _replicated_kv_bytes_per_token(shape: ModelShape, tp: int) -> float:
+    """KV bytes one token takes over a replica's `tp` GPUs: with tp > kv_heads each GPU keeps a whole head."""
+    return shape.kv_bytes_per_token * max(shape.num_kv_heads, tp) / shape.num_kv_heads
 
 
 def _kv_for_tp(shape: ModelShape, weights_bytes: int, gpu_mem_gib: float, tp: int,
@@ -164,8 +195,23 @@ def _kv_for_tp(shape: ModelShape, weights_bytes: int, gpu_mem_gib: float, tp: in
     """(KV bytes, KV tokens) one replica of `tp` GPUs holds."""
     per_gpu = gpu_mem_gib * GIB * gpu_memory_utilization - weights_bytes / tp - activation_reserve_gib * GIB
     kv_bytes = int(per_gpu * tp)
-    replicated_bytes_per_token = shape.kv_bytes_per_token * max(shape.num_kv_heads, tp) / shape.num_kv_heads
-    return kv_bytes, max(int(kv_bytes // replicated_bytes_per_token), 0)
+    return kv_bytes, max(int(kv_bytes // _replicated_kv_bytes_per_token(shape, tp)), 0)
+
+
+def _cpu_tier(shape: ModelShape, tp: int, kv_offload_gib: float | None, block_size: int) -> tuple[int, int, int]:
+    """(host bytes, tokens, blocks) of one replica's CPU KV tier of `kv_offload_gib` GiB; zeros without one.
+
+    vLLM's tier holds whole blocks, each as many bytes as on the replica's GPUs together."""
+    if kv_offload_gib is None:
+        return 0, 0, 0
+    host_bytes = int(kv_offload_gib * GIB)
+    blocks = int(host_bytes // (_replicated_kv_bytes_per_token(shape, tp) * block_size))
+    return host_bytes, blocks * block_size, blocks
+
+
+def _replicas_holding(tokens: int, per_replica: int) -> int | None:
+    """Replicas whose `per_replica` tokens of KV hold `tokens` together; None when a replica holds none."""
+    return math.ceil(tokens / per_replica) if per_replica > 0 else None
 
 
 def suggest_tp(shape: ModelShape, weights_bytes: int, gpu_mem_gib: float, max_model_len: int,
@@ -193,10 +239,21 @@ def plan_capacity(
     activation_reserve_gib: float = DEFAULT_ACTIVATION_RESERVE_GIB,
     typical_lens: tuple[int, ...] = DEFAULT_TYPICAL_LENS,
     min_full_context_requests: int = DEFAULT_MIN_FULL_CONTEXT_REQUESTS,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_offload_gib: float | None = None,
+    working_set_tokens: int | None = None,
 ) -> CapacityPlan:
-    """The capacity of one replica of `tensor_parallel_size` GPUs, and the TP size to suggest."""
+    """The capacity of one replica of `tensor_parallel_size` GPUs (and of its CPU KV tier of `kv_offload_gib`
+    GiB), the TP size to suggest, and the replicas that hold `working_set_tokens` of prompt KV."""
     if gpu_mem_gib <= 0 or max_model_len <= 0 or tensor_parallel_size < 1:
         raise PlanError("--gpu-mem-gib and --max-model-len must be > 0 and --tp >= 1")
+    if block_size < 1:
+        raise PlanError(f"--block-size {block_size}: a KV block holds at least one token")
+    if kv_offload_gib is not None and kv_offload_gib <= 0:
+        raise PlanError(f"--kv-offload-gib {kv_offload_gib:g}: the CPU KV tier's size must be > 0 "
+                        "(leave it out for none)")
+    if working_set_tokens is not None and working_set_tokens <= 0:
+        raise PlanError(f"--working-set-tokens {working_set_tokens}: must be > 0")
     if weights_bytes is None:
         if shape.num_params is None:
             raise PlanError("the weights' size is unknown; pass --params-b (billions of parameters) "
@@ -204,6 +261,7 @@ def plan_capacity(
         weights_bytes = shape.num_params * bytes_per_elem(shape.dtype)
     kv_bytes, kv_tokens = _kv_for_tp(shape, weights_bytes, gpu_mem_gib, tensor_parallel_size,
                                      gpu_memory_utilization, activation_reserve_gib)
+    cpu_bytes, cpu_tokens, cpu_blocks = _cpu_tier(shape, tensor_parallel_size, kv_offload_gib, block_size)
     return CapacityPlan(
         kv_bytes_per_token=shape.kv_bytes_per_token,
         weights_bytes=weights_bytes,
@@ -219,6 +277,16 @@ def plan_capacity(
         min_full_context_requests=min_full_context_requests,
         gpu_memory_utilization=gpu_memory_utilization,
         activation_reserve_gib=activation_reserve_gib,
+        block_size=block_size,
+        kv_blocks_per_replica=kv_tokens // block_size,
+        cpu_kv_bytes_per_replica=cpu_bytes,
+        cpu_kv_tokens_per_replica=cpu_tokens,
+        cpu_kv_blocks_per_replica=cpu_blocks,
+        working_set_tokens=working_set_tokens,
+        working_set_replicas_gpu=None if working_set_tokens is None else _replicas_holding(
+            working_set_tokens, kv_tokens),
+        working_set_replicas=None if working_set_tokens is None else _replicas_holding(
+            working_set_tokens, kv_tokens + cpu_tokens if kv_tokens > 0 else 0),
     )
 
 
@@ -245,6 +313,18 @@ def format_plan(shape: ModelShape, plan: CapacityPlan) -> str:
                      f"({plan.max_model_len:,} tokens)")
         for length, count in plan.requests_at_len.items():
             lines.append(f"                          {count:,} at {length:,} tokens")
+        if plan.cpu_kv_bytes_per_replica:
+            lines.append(f"CPU KV tier per replica:  {plan.cpu_kv_tokens_per_replica:,} tokens "
+                         f"({plan.cpu_kv_blocks_per_replica:,} blocks of {plan.block_size}) "
+                         f"in {gib(plan.cpu_kv_bytes_per_replica)} of host memory")
+            lines.append(f"GPU + CPU KV per replica: {plan.total_kv_tokens_per_replica:,} tokens of cached prompts: "
+                         "a hit in the CPU tier costs a load (host→GPU copy), not a recompute; running requests "
+                         "need GPU KV (the counts above)")
+            lines.append(f"host memory per replica:  {gib(plan.cpu_kv_bytes_per_replica)} pinned for the tier, on top "
+                         "of what its pod needs otherwise (the chart adds it per engine to worker pods' memory and "
+                         "/dev/shm)")
+    if plan.working_set_tokens is not None:
+        lines.append(_working_set_line(plan))
     suggested = plan.suggested_tensor_parallel_size
     lines.append(
         f"suggested TP size:        {suggested} (smallest power of two holding "
@@ -256,9 +336,21 @@ def format_plan(shape: ModelShape, plan: CapacityPlan) -> str:
     return "\n".join(lines)
 
 
+def _working_set_line(plan: CapacityPlan) -> str:
+    """The replicas whose KV holds the working set: GPU + CPU where a tier is configured, next to GPU alone."""
+    head = f"working set of {plan.working_set_tokens:,} tokens: "
+    if plan.working_set_replicas_gpu is None:
+        return head + "no replica holds any of it (the weights leave no KV cache)"
+    if not plan.cpu_kv_bytes_per_replica:
+        return head + f"{plan.working_set_replicas_gpu:,} replicas hold it in GPU KV"
+    return (head + f"{plan.working_set_replicas:,} replicas hold it in GPU + CPU KV "
+            f"({plan.working_set_replicas_gpu:,} in GPU KV alone); CPU-tier hits cost a load, not a recompute")
+
+
 def plan_as_dict(shape: ModelShape, plan: CapacityPlan) -> dict[str, Any]:
     """JSON-ready plan (for `kvtide plan --json`)."""
     data = asdict(plan)
+    data["total_kv_tokens_per_replica"] = plan.total_kv_tokens_per_replica
     data["requests_at_len"] = {str(k): v for k, v in plan.requests_at_len.items()}
     data["model_shape"] = asdict(shape)
     return data

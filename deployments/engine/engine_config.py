@@ -45,6 +45,7 @@ def engine_config_summary(vllm_config: Any) -> dict[str, Any]:
     `servers.<name>.engine_config`)."""
     scheduler, cache, model = vllm_config.scheduler_config, vllm_config.cache_config, vllm_config.model_config
     compilation = vllm_config.compilation_config
+    transfer = vllm_config.kv_transfer_config
     return {
         "max_num_batched_tokens": scheduler.max_num_batched_tokens,
         "max_num_seqs": scheduler.max_num_seqs,
@@ -60,4 +61,9 @@ def engine_config_summary(vllm_config: Any) -> dict[str, Any]:
         "compilation_mode": str(compilation.mode),
         "cudagraph_mode": str(compilation.cudagraph_mode),
         "enforce_eager": model.enforce_eager,
+        # The CPU KV tier (size None: none) and the KV connector vLLM resolved (the native tier's is the
+        # OffloadingConnector; None: no connector).
+        "kv_offloading_size": cache.kv_offloading_size,
+        "kv_offloading_backend": cache.kv_offloading_backend,
+        "kv_connector": transfer.kv_connector if transfer is not None else None,
     }

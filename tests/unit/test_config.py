@@ -55,6 +55,11 @@ def test_overrides_do_not_mutate_input():
     ({"http": {"port": "eighty"}}, ["http.port", "'eighty'"]),
     ({"engine": {"enable_chunked_prefill": False, "max_num_batched_tokens": 512, "max_model_len": 4096}},
      ["max_num_batched_tokens=512", "max_model_len=4096", "enable_chunked_prefill: true"]),
+    ({"engine": {"kv_offload": {"size_gib": 0}}}, ["engine.kv_offload.size_gib", "got 0", "greater than 0"]),
+    ({"engine": {"kv_offload": {"size_gib": 8, "backend": "mooncake"}}},
+     ["engine.kv_offload.backend", "'mooncake'", "'native'", "'lmcache'"]),
+    ({"engine": {"kv_offload": {"load_gib_per_s": -1}}}, ["engine.kv_offload.load_gib_per_s", "got -1"]),
+    ({"engine": {"kv_offload": {"size_gb": 8}}}, ["engine.kv_offload.size_gb", "did you mean 'size_gib'"]),
 ])
 def test_bad_config_names_field_value_and_fix(data, needles):
     """Each bad config raises ConfigError whose message names the field, the value and the fix."""
@@ -62,6 +67,38 @@ def test_bad_config_names_field_value_and_fix(data, needles):
         parse_config(data)
     for needle in needles:
         assert needle in str(exc.value)
+
+
+def test_the_cpu_kv_tier_is_off_by_default_and_in_every_packaged_preset():
+    """engine.kv_offload defaults to no tier (size_gib null) of vLLM's native backend; no preset turns it on."""
+    from kvtide.config import preset_names, preset_path
+
+    offload = parse_config({}).engine.kv_offload
+    assert (offload.size_gib, offload.backend) == (None, "native") and offload.load_gib_per_s > 0
+    for name in preset_names():
+        assert load_config(preset_path(name)).engine.kv_offload.size_gib is None, name
+
+
+def test_a_cpu_kv_tier_on_a_cpu_engine_fails_at_load_quoting_vllms_refusal():
+    """A CPU tier on a CPU engine is refused at load (not at engine start), quoting vLLM's own reason and the fix."""
+    with pytest.raises(ConfigError) as exc:
+        load_config(REPO / "config/presets/cpu.yaml", ["engine.kv_offload.size_gib=4"])
+    message = str(exc.value)
+    assert "engine.kv_offload.size_gib=4 with resources.device=cpu" in message
+    assert '"CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"' in message
+    assert "set engine.kv_offload.size_gib: null" in message
+
+
+def test_the_native_tier_owns_kv_transfer_config_and_lmcache_or_no_tier_leave_it_to_the_user():
+    """extra_args.kv_transfer_config is refused with the native tier on, and passes with lmcache or no tier."""
+    transfer = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"engine": {"kv_offload": {"size_gib": 8}, "extra_args": {"kv_transfer_config": transfer}}})
+    assert "engine.extra_args.kv_transfer_config: kvtide sets this itself while engine.kv_offload.size_gib" in str(
+        exc.value)
+    for offload in ({"size_gib": 8, "backend": "lmcache"}, {}):
+        config = parse_config({"engine": {"kv_offload": offload, "extra_args": {"kv_transfer_config": transfer}}})
+        assert config.engine.extra_args["kv_transfer_config"] == transfer
 
 
 def test_several_errors_are_all_reported():
@@ -144,6 +181,10 @@ def test_extra_engine_args_reach_the_engine_kwargs():
                                "did you mean 'kv_cache_dtype'?"),
     ({"max_model_len": 8}, "engine.extra_args.max_model_len: kvtide exposes it; set engine.max_model_len instead"),
     ({"kv_events_config": {}}, "engine.extra_args.kv_events_config: kvtide sets this itself"),
+    ({"kv_offloading_size": 8}, "engine.extra_args.kv_offloading_size: kvtide sets this itself "
+                                "(from engine.kv_offload.size_gib)"),
+    ({"kv_offloading_backend": "lmcache"}, "engine.extra_args.kv_offloading_backend: kvtide sets this itself "
+                                           "(from engine.kv_offload.backend)"),
 ])
 def test_a_bad_extra_engine_arg_fails_when_the_config_loads_naming_the_fix(extra, needle):
     """A misspelt, exposed or kvtide-owned name is refused at load, in one line naming the fix."""

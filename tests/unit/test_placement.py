@@ -37,6 +37,18 @@ def test_engine_kwargs_pass_kv_sizing_only_when_set():
     assert sized["kv_cache_memory_bytes"] == 1 << 28 and sized["model"] == "/m"
 
 
+def test_the_cpu_kv_tier_reaches_vllm_as_its_offloading_flags_with_self_describing_events():
+    """size_gib/backend become kv_offloading_size/backend, plus self-describing events for native; no tier, none."""
+    native = engine_kwargs(parse_config({"engine": {"kv_offload": {"size_gib": 48.5}}}), "/m")
+    assert (native["kv_offloading_size"], native["kv_offloading_backend"]) == (48.5, "native")
+    assert native["kv_transfer_config"] == {"kv_connector_extra_config": {"self_describing_kv_events": True}}
+    lmcache = engine_kwargs(parse_config({"engine": {"kv_offload": {"size_gib": 8, "backend": "lmcache"}}}), "/m")
+    assert (lmcache["kv_offloading_size"], lmcache["kv_offloading_backend"]) == (8, "lmcache")
+    assert "kv_transfer_config" not in lmcache
+    plain = engine_kwargs(parse_config({}), "/m")
+    assert not {"kv_offloading_size", "kv_offloading_backend", "kv_transfer_config"} & set(plain)
+
+
 @pytest.mark.parametrize("share, expected", [(0.5, 0.45), (0.25, 0.225)])
 def test_shared_gpu_engine_claims_only_its_share_in_vllms_memory_check(share, expected):
     """On a shared GPU the engine's utilization is its share (× 0.9), not vLLM's 0.92 that a 2nd engine fails."""

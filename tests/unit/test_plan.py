@@ -152,3 +152,115 @@ def test_cli_reads_model_tp_context_and_kv_cache_dtype_from_a_kvtide_config(tmp_
     assert code == 0 and data["kv_bytes_per_token"] == 327_680 // 2 and data["tensor_parallel_size"] == 4
     code, out, _ = run_cli(["plan", "--config", str(config), "--gpu-mem-gib", "139", "--tp", "8", "--json"], capsys)
     assert code == 0 and json.loads(out)["tensor_parallel_size"] == 8
+
+
+def test_the_cpu_tier_holds_its_gib_in_whole_blocks_beside_an_unchanged_gpu_kv():
+    """--kv-offload-gib G holds G GiB ÷ (KV bytes per token × block size) whole blocks; GPU KV is unchanged."""
+    without = plan_capacity(LLAMA_70B, 139, 131072, 4)
+    plan = plan_capacity(LLAMA_70B, 139, 131072, 4, kv_offload_gib=400, block_size=32)
+    blocks = 400 * GIB // (327_680 * 32)
+    assert (plan.cpu_kv_bytes_per_replica, plan.cpu_kv_blocks_per_replica, plan.cpu_kv_tokens_per_replica) == (
+        400 * GIB, blocks, blocks * 32)
+    assert plan.kv_tokens_per_replica == without.kv_tokens_per_replica
+    assert plan.kv_blocks_per_replica == plan.kv_tokens_per_replica // 32
+    assert plan.total_kv_tokens_per_replica == plan.kv_tokens_per_replica + blocks * 32
+    assert (without.cpu_kv_bytes_per_replica, without.total_kv_tokens_per_replica) == (0, without.kv_tokens_per_replica)
+
+
+def test_the_cpu_tier_stores_a_replicated_kv_head_per_gpu_as_the_gpus_do():
+    """With TP above the KV-head count a CPU-tier token takes as many bytes as on the GPUs: whole heads on each."""
+    shape = ModelShape(num_layers=32, num_kv_heads=2, head_dim=128, dtype="bf16", num_params=1_000_000_000)
+    tp2 = plan_capacity(shape, 80, 4096, 2, kv_offload_gib=16)
+    tp4 = plan_capacity(shape, 80, 4096, 4, kv_offload_gib=16)
+    assert tp2.cpu_kv_tokens_per_replica == 16 * GIB // (shape.kv_bytes_per_token * 16) * 16
+    assert tp4.cpu_kv_blocks_per_replica == tp2.cpu_kv_blocks_per_replica // 2
+
+
+def test_a_working_set_needs_fewer_replicas_with_the_cpu_tier_and_none_hold_it_without_kv():
+    """Replicas for a working set: ceil over GPU KV, ceil over GPU + CPU with a tier; None when no KV fits."""
+    plan = plan_capacity(LLAMA_70B, 139, 131072, 4, kv_offload_gib=400, working_set_tokens=50_000_000)
+    assert plan.working_set_replicas_gpu == -(-50_000_000 // plan.kv_tokens_per_replica)
+    assert plan.working_set_replicas == -(-50_000_000 // plan.total_kv_tokens_per_replica)
+    assert plan.working_set_replicas < plan.working_set_replicas_gpu
+    no_kv = plan_capacity(LLAMA_70B, 80, 8192, 1, kv_offload_gib=400, working_set_tokens=1000)
+    assert (no_kv.working_set_replicas_gpu, no_kv.working_set_replicas, no_kv.total_kv_tokens_per_replica) == (
+        None, None, 0)
+
+
+SHAPE_FLAGS = ["--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--params-b", "70.6", "--gpu-mem-gib", "139",
+               "--tp", "4", "--max-model-len", "131072"]
+
+
+def test_cli_adds_the_cpu_tier_lines_and_keeps_every_other_line(capsys):
+    """--kv-offload-gib adds the tier, GPU + CPU (a hit is a load, not a recompute) and host memory lines; no other."""
+    _, plain, _ = run_cli(["plan", *SHAPE_FLAGS], capsys)
+    code, out, _ = run_cli(["plan", *SHAPE_FLAGS, "--kv-offload-gib", "400"], capsys)
+    plan = plan_capacity(LLAMA_70B, 139, 131072, 4, kv_offload_gib=400)
+    added = [line for line in out.splitlines() if line not in plain.splitlines()]
+    assert code == 0 and [line for line in out.splitlines() if line in plain.splitlines()] == plain.splitlines()
+    assert [line.split(":")[0] for line in added] == ["CPU KV tier per replica", "GPU + CPU KV per replica",
+                                                      "host memory per replica"]
+    assert f"{plan.cpu_kv_tokens_per_replica:,} tokens ({plan.cpu_kv_blocks_per_replica:,} blocks of 16)" in added[0]
+    assert f"{plan.total_kv_tokens_per_replica:,} tokens" in added[1]
+    assert "costs a load (host→GPU copy), not a recompute" in added[1]
+    assert "400.0 GiB pinned for the tier" in added[2]
+
+
+def test_cli_working_set_line_names_both_fleet_sizes(capsys):
+    """--working-set-tokens prints the replicas holding it on GPU KV, and with a CPU tier on GPU + CPU as well."""
+    code, out, _ = run_cli(["plan", *SHAPE_FLAGS, "--working-set-tokens", "50000000"], capsys)
+    gpu = plan_capacity(LLAMA_70B, 139, 131072, 4, working_set_tokens=50_000_000).working_set_replicas_gpu
+    assert code == 0 and f"working set of 50,000,000 tokens: {gpu:,} replicas hold it in GPU KV\n" in out
+    code, out, _ = run_cli(["plan", *SHAPE_FLAGS, "--working-set-tokens", "50000000", "--kv-offload-gib", "400"],
+                           capsys)
+    both = plan_capacity(LLAMA_70B, 139, 131072, 4, kv_offload_gib=400, working_set_tokens=50_000_000)
+    assert code == 0 and (f"{both.working_set_replicas:,} replicas hold it in GPU + CPU KV ({gpu:,} in GPU KV alone); "
+                          "CPU-tier hits cost a load, not a recompute") in out
+
+
+def test_cli_reads_the_cpu_tier_and_block_size_from_a_kvtide_config(tmp_path, capsys):
+    """`kvtide plan --config`: engine.kv_offload.size_gib and engine.block_size size the CPU tier; flags still win."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B_CONFIG))
+    config = tmp_path / "kvtide.yaml"
+    config.write_text(f"model: {tmp_path}\nengine:\n  tensor_parallel_size: 4\n  max_model_len: 131072\n"
+                      "  block_size: 32\n  kv_offload: {size_gib: 64}\nresources: {device: gpu}\n")
+    code, out, _ = run_cli(["plan", "--config", str(config), "--gpu-mem-gib", "139", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and (data["cpu_kv_bytes_per_replica"], data["block_size"]) == (64 * GIB, 32)
+    assert data["cpu_kv_blocks_per_replica"] == 64 * GIB // (327_680 * 32)
+    code, out, _ = run_cli(["plan", "--config", str(config), "--gpu-mem-gib", "139", "--kv-offload-gib", "8",
+                            "--block-size", "16", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and (data["cpu_kv_bytes_per_replica"], data["block_size"]) == (8 * GIB, 16)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--kv-offload-gib", "0"], "--kv-offload-gib 0"),
+    (["--block-size", "0"], "--block-size"),
+    (["--working-set-tokens", "-5"], "--working-set-tokens -5"),
+])
+def test_cli_refuses_a_cpu_tier_block_size_or_working_set_below_one(flags, words, capsys):
+    """A tier of 0 GiB, blocks of 0 tokens or a negative working set exit 2 naming the flag."""
+    code, _, err = run_cli(["plan", *SHAPE_FLAGS, *flags], capsys)
+    assert code == 2 and words in err
+
+
+def test_cli_says_a_simulated_fleet_counted_gpu_kv_alone_when_a_cpu_tier_is_planned(monkeypatch, tmp_path, capsys):
+    """`--trace` with a CPU tier: the simulator sizes the fleet on GPU KV (it has no CPU tier), and the plan says so."""
+    import kvtide.autoscaling.cli as cli
+
+    seen = {}
+
+    def planner(**kwargs):
+        seen.update(kwargs)
+        return {"policies": {"prefix_aware": {"replicas": 3}}}
+
+    monkeypatch.setattr(cli, "trace_planner", lambda: planner)
+    trace = ["--trace", str(tmp_path / "t.jsonl"), "--slo-ttft-p90-ms", "500"]
+    code, out, _ = run_cli(["plan", *SHAPE_FLAGS, "--kv-offload-gib", "400", *trace], capsys)
+    assert code == 0 and seen["kv_bytes_per_replica"] == plan_capacity(LLAMA_70B, 139, 131072, 4).kv_bytes_per_replica
+    assert "fleet on the trace:       simulated with GPU KV alone" in out
+    code, out, _ = run_cli(["plan", *SHAPE_FLAGS, "--kv-offload-gib", "400", *trace, "--json"], capsys)
+    assert json.loads(out)["fleet"]["cpu_kv_tier"].startswith("simulated with GPU KV alone")
+    code, out, _ = run_cli(["plan", *SHAPE_FLAGS, *trace], capsys)
+    assert "GPU KV alone" not in out

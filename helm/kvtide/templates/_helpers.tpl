@@ -153,8 +153,70 @@ The first group carries the minimum; every group can grow to the maximum.
 {{- fail (printf "%s (%s): minReplicas=%d is above maxReplicas=%d; make minReplicas <= maxReplicas" $field $g.name $min $max) }}
 {{- end }}
 gpusPerPod: {{ $gpus }}
+enginesPerPod: {{ $enginesPerPod }}
 minReplicas: {{ $min }}
 maxReplicas: {{ $max }}
+{{- end }}
+
+{{/*
+Host memory, in bytes, that the CPU KV tiers of one worker pod's engines take: engines per pod x
+kvtide.engine.kv_offload.size_gib GiB; 0 without a tier. vLLM's native tier lives in a file in
+/dev/shm (a memory-backed volume here), so it counts against the pod's memory and against the
+/dev/shm volume's size limit alike: both grow by it. Call with (dict "root" $ "enginesPerPod" n).
+*/}}
+{{- define "kvtide.kvOffloadBytesPerPod" -}}
+{{- $gib := dig "engine" "kv_offload" "size_gib" nil (.root.Values.kvtide | default dict) }}
+{{- if kindIs "invalid" $gib }}0{{ else }}{{ mulf (int .enginesPerPod) (float64 $gib) 1073741824.0 }}{{ end }}
+{{- end }}
+
+{{/*
+A Kubernetes quantity ("64Gi", "68719476736", "1.5e10", "100M", or a number) in bytes, as a float.
+*/}}
+{{- define "kvtide.quantityBytes" -}}
+{{- $field := .field }}
+{{- $value := .value }}
+{{- if or (kindIs "float64" $value) (kindIs "int" $value) (kindIs "int64" $value) }}
+{{- float64 $value }}
+{{- else }}
+{{- $q := toString $value | trim }}
+{{- $number := regexFind "^([0-9]+[.]?[0-9]*|[.][0-9]+)" $q }}
+{{- $suffix := trimPrefix $number $q }}
+{{- $scales := dict "" 1.0 "m" 1e-3 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 }}
+{{- if not $number }}
+{{- fail (printf "%s=%s is not a Kubernetes quantity; write it like 64Gi" $field $q) }}
+{{- else if hasKey $scales $suffix }}
+{{- mulf (float64 $number) (get $scales $suffix) }}
+{{- else if regexMatch "^[eE][+]?[0-9]+$" $suffix }}
+{{- $bytes := float64 $number }}
+{{- range until (int (trimPrefix "+" (substr 1 -1 $suffix))) }}{{ $bytes = mulf $bytes 10 }}{{ end }}
+{{- $bytes }}
+{{- else }}
+{{- fail (printf "%s=%s is not a Kubernetes quantity; write it like 64Gi" $field $q) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A byte count as a memory quantity: whole GiB as Gi, else whole MiB as Mi, else bytes (rounded up).
+*/}}
+{{- define "kvtide.memoryQuantity" -}}
+{{- $bytes := int64 (ceil (float64 .)) }}
+{{- if eq (mod $bytes 1073741824) 0 }}{{ div $bytes 1073741824 }}Gi
+{{- else if eq (mod $bytes 1048576) 0 }}{{ div $bytes 1048576 }}Mi
+{{- else }}{{ $bytes }}{{ end }}
+{{- end }}
+
+{{/*
+`quantity` plus `extraBytes` bytes, as a memory quantity; `quantity` unchanged when extraBytes is 0.
+Call with (dict "field" "workerGroups[0].resources.requests.memory" "quantity" q "extraBytes" n).
+*/}}
+{{- define "kvtide.addMemory" -}}
+{{- if eq (float64 .extraBytes) 0.0 }}
+{{- .quantity }}
+{{- else }}
+{{- $bytes := include "kvtide.quantityBytes" (dict "field" .field "value" .quantity) | float64 }}
+{{- include "kvtide.memoryQuantity" (addf $bytes (float64 .extraBytes)) }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -460,45 +522,50 @@ Ray, HAProxy and vLLM can write; values.yaml (securityContext) lists what goes w
   readOnly: true
 {{- end }}
 
+{{/*
+Volumes of every Ray pod. Call with (dict "root" $ "shmSizeLimit" q): q is the /dev/shm volume's
+size limit, shm.sizeLimit unless given (a worker pod's grows by its engines' CPU KV tiers).
+*/}}
 {{- define "kvtide.rayVolumes" -}}
+{{- $root := .root }}
 - name: dshm
   emptyDir:
     medium: Memory
-    sizeLimit: {{ .Values.shm.sizeLimit }}
+    sizeLimit: {{ .shmSizeLimit | default $root.Values.shm.sizeLimit }}
 - name: tmp
   emptyDir: {}
 - name: home
   emptyDir: {}
 {{- /* The Secrets: only the named key, owner root, group fsGroup, mode 0440 (288); a missing
 key keeps the pod from starting instead of starting it without keys. */}}
-{{- if .Values.apiKeys.existingSecret }}
+{{- if $root.Values.apiKeys.existingSecret }}
 - name: api-keys
   secret:
-    secretName: {{ .Values.apiKeys.existingSecret }}
+    secretName: {{ $root.Values.apiKeys.existingSecret }}
     defaultMode: 288
     items:
-      - {key: {{ .Values.apiKeys.secretKey | quote }}, path: {{ .Values.apiKeys.secretKey | quote }}}
+      - {key: {{ $root.Values.apiKeys.secretKey | quote }}, path: {{ $root.Values.apiKeys.secretKey | quote }}}
 {{- end }}
 - name: internal-secret
   secret:
-    secretName: {{ include "kvtide.internalSecretName" . }}
+    secretName: {{ include "kvtide.internalSecretName" $root }}
     defaultMode: 288
     items:
       - {key: secret, path: secret}
 - name: model-cache
-{{- if eq .Values.modelCache.type "pvc" }}
-{{- if not .Values.modelCache.pvc.claimName }}
+{{- if eq $root.Values.modelCache.type "pvc" }}
+{{- if not $root.Values.modelCache.pvc.claimName }}
 {{- fail "modelCache.pvc.claimName is empty: modelCache.type=pvc needs the name of an existing PersistentVolumeClaim" }}
 {{- end }}
   persistentVolumeClaim:
-    claimName: {{ .Values.modelCache.pvc.claimName }}
-{{- else if eq .Values.modelCache.type "hostPath" }}
+    claimName: {{ $root.Values.modelCache.pvc.claimName }}
+{{- else if eq $root.Values.modelCache.type "hostPath" }}
   hostPath:
-    path: {{ .Values.modelCache.hostPath.path }}
+    path: {{ $root.Values.modelCache.hostPath.path }}
     type: DirectoryOrCreate
 {{- else }}
   emptyDir:
-  {{- with .Values.modelCache.emptyDir.sizeLimit }}
+  {{- with $root.Values.modelCache.emptyDir.sizeLimit }}
     sizeLimit: {{ . }}
   {{- else }} {}
   {{- end }}
