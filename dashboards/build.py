@@ -7,8 +7,9 @@ Four dashboards, each answering one SRE question:
     kvtide-overview   are we meeting the SLOs?  TTFT/ITL/e2e p50/p90/p99, req/s, tokens/s, errors, replicas
     kvtide-routing    is the cache working?     prefix-cache hit rate per replica, load imbalance, router,
                                                 whether routers on different nodes agree, whether the
-                                                router's cache index can be trusted
-    kvtide-capacity   do we need more engines?  KV usage, waiting, preemptions, replicas, the KV autoscaler
+                                                router's cache index can be trusted, hits by KV tier
+    kvtide-capacity   do we need more engines?  KV usage, waiting, preemptions, replicas, the KV autoscaler,
+                                                the CPU KV tier (blocks held, bytes moved, onload rate)
     kvtide-engine     what is this replica doing?  every engine signal, one row per `$replica`
 
 Template variables (the same on every dashboard):
@@ -105,6 +106,19 @@ def _hit_rate(sel: Selectors, by: str) -> str:
 def _prediction_share(sel: Selectors, part: str, whole: str) -> str:
     """rate(predictions with outcome `part`) / rate(those with outcome in `whole`)."""
     return _rate_share(sel, "ray_kvtide_router_predictions_total", {"outcome": part}, {"outcome": whole})
+
+
+HIT_TOKENS = "ray_kvtide_engine_prefix_hit_tokens_total"
+CACHED_BLOCKS = "ray_kvtide_engine_cached_blocks"
+TRANSFER_BYTES = "ray_kvtide_engine_kv_transfer_bytes_total"
+
+
+def _cached_blocks_panel(title: str, width: int = 8) -> PanelSpec:
+    return PanelSpec(title, (Query(f"sum by (ReplicaId, tier) ({S(CACHED_BLOCKS)})", "{{ReplicaId}} {{tier}}"),),
+                     unit="short", width=width,
+                     description="Full KV blocks each replica holds, by tier: gpu (its prefix cache) and cpu (host "
+                                 "memory, engine.kv_offload), as its cache digest tells the routers. A cpu tier "
+                                 "keeps prefixes the GPU evicted; it reads 0 where no CPU tier runs.")
 
 
 def _replicas_panel() -> PanelSpec:
@@ -296,9 +310,24 @@ def routing() -> DashboardSpec:
                   description="Prompt tokens served from cached blocks no other replica held when the request was "
                               "routed: what a replica's cache is worth to a cache-aware scale-down."),
     ))
+    tiers = RowSpec("KV tiers (GPU prefix cache, then the CPU tier: engine.kv_offload)", (
+        PanelSpec("Prefix hit tokens / s per replica by tier",
+                  (Query(rate_sum(S, HIT_TOKENS, W, by="ReplicaId, tier"), "{{ReplicaId}} {{tier}}"),),
+                  unit="short", width=8,
+                  description="Prompt tokens served from cached KV: gpu, from the replica's prefix cache; cpu, "
+                              "loaded back from its CPU tier (cheaper than a prefill, dearer than a GPU hit). "
+                              "cpu reads 0 where no CPU tier runs."),
+        PanelSpec("Router matched tokens / s by tier",
+                  (Query(rate_sum(S, "ray_kvtide_router_matched_tokens_total", W, by="tier"), "{{tier}}"),),
+                  unit="short", width=8,
+                  description="Matched prefix tokens on the replicas the router chose, by the tier it expected "
+                              "them from. Compare with the engines' hits by tier (left): a router cpu match the "
+                              "engine serves as a prefill is a CPU-tier block evicted before the request came."),
+        _cached_blocks_panel("Cached blocks per replica by tier"),
+    ))
     return DashboardSpec("kvtide-routing", "kvtide / Routing & cache",
                          "Whether prefix-aware routing pays: cache hit rate per replica and the balance it costs.",
-                         VARIABLES, (cache, balance, router, trust, books))
+                         VARIABLES, (cache, balance, router, trust, books, tiers))
 
 
 def capacity() -> DashboardSpec:
@@ -346,9 +375,25 @@ def capacity() -> DashboardSpec:
                               "(engine-core spawn, model load, KV cache, CUDA graphs), warm start. The autoscaler's "
                               "reaction time is the decision plus this."),
     ))
+    tier = RowSpec("CPU KV tier (engine.kv_offload)", (
+        _cached_blocks_panel("KV blocks held per replica by tier"),
+        PanelSpec("KV offload / onload per replica, bytes / s",
+                  (Query(rate_sum(S, TRANSFER_BYTES, W, by="ReplicaId, direction"), "{{ReplicaId}} {{direction}}"),),
+                  unit="binBps", width=8,
+                  description="KV moved between each replica's GPUs and its CPU tier: offload (GPU to CPU, blocks "
+                              "stored as they are computed) and onload (CPU to GPU, CPU-tier hits loaded back). "
+                              "Onload near the host link's bandwidth: CPU-tier hits queue behind each other."),
+        PanelSpec("CPU-tier onload rate per replica, tokens / s",
+                  (Query(f"max by (ReplicaId) ({S('ray_kvtide_engine_onload_tokens_per_second')})",
+                         "{{ReplicaId}}"),),
+                  unit="short", width=8,
+                  description="Prompt tokens' KV per second each replica loads from its CPU tier, as it reports to "
+                              "the routers (measured over recent onloads, else engine.kv_offload.load_gib_per_s): "
+                              "what a CPU-tier match costs in the router's eyes. 0: no CPU tier, or not known."),
+    ))
     return DashboardSpec("kvtide-capacity", "kvtide / Capacity & autoscaling",
                          "Is there room for more load: KV usage, queues, preemptions, replica counts.",
-                         VARIABLES, (kv, replicas))
+                         VARIABLES, (kv, replicas, tier))
 
 
 def engine() -> DashboardSpec:
@@ -378,6 +423,13 @@ def engine() -> DashboardSpec:
         PanelSpec("Finished requests / s by reason",
                   (Query(rate_sum(sel, "ray_vllm_request_success_total", W, by="finished_reason"),
                          "{{finished_reason}}"),), unit="reqps", width=8),
+        PanelSpec("Prefix hit tokens / s by tier", (Query(rate_sum(sel, HIT_TOKENS, W, by="tier"), "{{tier}}"),),
+                  unit="short", width=8, description="gpu: the prefix cache; cpu: loaded from the CPU tier."),
+        PanelSpec("KV blocks held by tier", (Query(f"sum by (tier) ({sel(CACHED_BLOCKS)})", "{{tier}}"),),
+                  unit="short", width=8),
+        PanelSpec("CPU tier transfers, bytes / s",
+                  (Query(rate_sum(sel, TRANSFER_BYTES, W, by="direction"), "{{direction}}"),),
+                  unit="binBps", width=8, description="offload: GPU to CPU; onload: CPU to GPU."),
     ), repeat="replica")
     return DashboardSpec("kvtide-engine", "kvtide / Engine detail",
                          "One row per engine replica (vLLM's own view): KV, batch, latency, cache, preemptions.",

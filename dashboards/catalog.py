@@ -157,6 +157,23 @@ CATALOG: tuple[Metric, ...] = (
            "import (vLLM in the replica), engine (engine-core spawn, model load, KV cache, CUDA graphs), "
            "warm_start (hot-prefix prefill); wake (a woken standby: vLLM's wake and the warm-up prefill).", "model",
            needs="a replica that finished starting"),
+    # KV tiers (deployments/engine/stats.py, KvTierMetrics): per replica (ReplicaId: vLLM's label and value), every
+    # series from the replica's start, zeros where no CPU tier runs (engine.kv_offload off; always on CPU).
+    Metric("ray_kvtide_engine_cached_blocks", _G, _E, ("model", "ReplicaId", "tier"), "blocks",
+           "Full KV blocks the replica holds in its prefix cache, by tier: gpu, or cpu (host memory, vLLM's KV "
+           "offloading, engine.kv_offload), as its cache digest advertises them to the routers.", "model"),
+    Metric("ray_kvtide_engine_prefix_hit_tokens_total", _C, _E, ("model", "ReplicaId", "tier"), "tokens",
+           "Prompt tokens served from cached KV, by tier: gpu (vLLM's prefix cache, as vllm:prefix_cache_hits) or "
+           "cpu (loaded back from the CPU tier by vLLM's OffloadingConnector: its connector prefix-cache hits).",
+           "model"),
+    Metric("ray_kvtide_engine_kv_transfer_bytes_total", _C, _E, ("model", "ReplicaId", "direction"), "bytes",
+           "KV bytes moved between the replica's GPUs and its CPU tier, by direction: offload (GPU to CPU, each "
+           "block stored) or onload (CPU to GPU, a CPU-tier hit loaded back); from the OffloadingConnector's "
+           "transfer stats, summed over the engine's workers.", "model"),
+    Metric("ray_kvtide_engine_onload_tokens_per_second", _G, _E, ("model", "ReplicaId"), "tokens/s",
+           "Prompt tokens' KV per second the replica loads from its CPU tier, as it reports to the routers "
+           "(onload_tokens_per_s): measured over its recent onloads, else engine.kv_offload.load_gib_per_s over "
+           "its KV bytes per token; 0 without a CPU tier or while not known.", "model"),
     # --- router (deployments/routing/ray_router.py; in the routing peer's or each Ingress replica's process) --
     Metric("ray_kvtide_router_decisions_total", _C, _R, ("policy", "outcome", "route"), "decisions",
            "Routing decisions by policy, outcome (cache_hit, load_fallback, no_match) and route (session: the "
@@ -164,6 +181,10 @@ CATALOG: tuple[Metric, ...] = (
            "single: one replica's cache or load).", needs=ROUTER_ON),
     Metric("ray_kvtide_router_matched_prefix_tokens", _H, _R, ("policy",), "tokens",
            "Cached prefix tokens on the chosen replica, per decision.", needs=ROUTER_ON),
+    Metric("ray_kvtide_router_matched_tokens_total", _C, _R, ("policy", "tier"), "tokens",
+           "Matched prefix tokens on the chosen replica, summed over decisions, by the tier the router expects them "
+           "from: gpu (its prefix cache) or cpu (loaded from its CPU KV tier, RoutingDecision.cpu_matched_tokens). "
+           "Both series from the router's start, cpu at 0 without CPU tiers.", needs=ROUTER_ON),
     Metric("ray_kvtide_router_decision_latency_seconds", _H, _R, ("policy",), "s",
            "Time to rank replicas for one request.", needs=ROUTER_ON),
     Metric("ray_kvtide_router_digest_age_seconds", _G, _R, ("replica",), "s",

@@ -35,6 +35,7 @@ from kvtide.autoscaling.warm_start import fleet_view, plan_prefills
 from kvtide.deployments.engine.engine_config import start_engine
 from kvtide.deployments.engine.kv_cache_tracker import KvCacheTracker
 from kvtide.deployments.engine.kv_events import KvEventListener, new_ipc_endpoint
+from kvtide.deployments.engine.kv_tier_stats import configured_load_gib_per_s, onload_tokens_per_s, tier_configured
 from kvtide.deployments.messages import KVTIDE_PATH, Finished, GenerateDelta, GenerateRequest, VllmLayerCall
 from kvtide.deployments.names import INGRESS_DEPLOYMENT
 from kvtide.deployments.routing.trust import read_prediction
@@ -93,7 +94,8 @@ class EngineReplica:
     async def __init__(self, config_dict: dict):
         constructor_s = time.time()
         import vllm.v1.engine.async_llm  # noqa: F401  (here, so start_phases times vLLM's import as its own phase)
-        from kvtide.deployments.engine.stats import EngineLoad, kept_ray_stat_logger, load_logger_factory
+        from kvtide.deployments.engine.stats import (EngineLoad, KvTierMetrics, engine_kv_bytes_per_token,
+                                                     engine_num_workers, kept_ray_stat_logger, load_logger_factory)
 
         imported_s = time.time()
         self.config: KvtideConfig = parse_config(config_dict)
@@ -147,10 +149,20 @@ class EngineReplica:
             from vllm.config import StructuredOutputsConfig
 
             kwargs["structured_outputs_config"] = StructuredOutputsConfig(**kwargs["structured_outputs_config"])
+        # The CPU KV tier (engine.kv_offload; read defensively: a config without the section has no tier).
+        kv_offload = getattr(self.config.engine, "kv_offload", None)
+        self._kv_tier = tier_configured(kv_offload)
+        self._onload_gib_per_s = configured_load_gib_per_s(kv_offload)
         # Resolved as `vllm serve` resolves it (engine_config.py): the same flags give the same engine.
         self.engine = start_engine(
-            kwargs, stat_loggers=[kept_ray_stat_logger(self.prometheus_loggers), load_logger_factory(self.load)])
+            kwargs, stat_loggers=[kept_ray_stat_logger(self.prometheus_loggers),
+                                  load_logger_factory(self.load, kv_tier=self._kv_tier)])
         engine_s = time.time()
+        # What onload_tokens_per_s divides by, and the workers whose transfer seconds vLLM sums.
+        self._kv_bytes_per_token = engine_kv_bytes_per_token(self.engine.vllm_config)
+        self.load.onload_rate.num_workers = engine_num_workers(self.engine.vllm_config)
+        self.kv_tier_metrics = KvTierMetrics(self.config.model_name, self.replica_id)
+        self._export_kv_tiers()
         # The model's generation_config sampling defaults (temperature, top_k, …), applied to the
         # fields a request leaves unset, as vLLM's OpenAI server applies them.
         self.sampling_defaults = self.engine.vllm_config.model_config.get_diff_sampling_param()
@@ -242,11 +254,26 @@ class EngineReplica:
             try:
                 refresh_gauges(self.prometheus_loggers, self.load)
                 self._set_start_phases()
+                self._export_kv_tiers()
                 if self.core_pin:  # free any thread the engine core started since (it inherits the pin)
                     self.core_pin.apply()
             except Exception as exc:  # metrics must never take the replica down
                 logger.warning("refreshing vLLM's gauges failed: %s", type(exc).__name__)
             await asyncio.sleep(GAUGE_REFRESH_S)
+
+    def _onload_tokens_per_s(self) -> float:
+        """Prompt tokens' KV per second this replica loads from its CPU tier (kv_tier_stats); 0.0: no tier, or not known."""
+        if not self._kv_tier:
+            return 0.0
+        return onload_tokens_per_s(self.load.onload_rate.bytes_per_s(), self._onload_gib_per_s,
+                                   self._kv_bytes_per_token)
+
+    def _export_kv_tiers(self) -> None:
+        """The KV tiers' series (blocks held, hits, bytes moved, onload rate): zeros where there is no tier."""
+        tracker = self.kv_listener.tracker if self.kv_listener is not None else None
+        num_gpu_blocks = tracker.num_blocks if tracker is not None else 0
+        num_cpu_blocks = tracker.num_cpu_blocks if tracker is not None else 0
+        self.kv_tier_metrics.export(self.load, num_gpu_blocks, num_cpu_blocks, self._onload_tokens_per_s())
 
     async def _warm_start(self) -> None:
         """Prefill the fleet's hottest shared prefixes (all HOT_PREFIX_SOURCE replicas' views) before serving."""
@@ -415,6 +442,9 @@ class EngineReplica:
             # How fast that backlog drains (0.0: not known yet): the router drains the
             # report by it until the next one (deployments.routing.backlog).
             "prefill_tokens_per_s": self.pending_prefill.drain_rate_tokens_per_s(time.monotonic()),
+            # How fast a CPU-tier hit's KV loads back into GPU (0.0: no CPU tier, or not known): the
+            # router weighs a CPU-tier match by it (deployments.engine.kv_tier_stats).
+            "onload_tokens_per_s": self._onload_tokens_per_s(),
             # How long its requests take end to end (quantiles; () before the first): a pick-only
             # router stops counting a pick once it has probably finished (deployments.routing.pick_load).
             "request_durations_s": load.recent_durations.quantiles(),

@@ -47,6 +47,11 @@ by whether its first choice is the same (`kvtide_router_agreement_checks`): a pi
 this router's private memory is one a router on another node would not make. The check runs
 after the decision's latency is taken: that histogram stays the policy's own cost.
 
+KV tiers: of a decision's matched tokens on its first choice, those the router expects that
+replica to load from its CPU KV tier (`RoutingDecision.cpu_matched_tokens`) are counted apart
+from the GPU-cached ones (`kvtide_router_matched_tokens{tier}`); both tiers' series exist from
+the router's start, at zero until a match (a fleet without a CPU tier keeps cpu at zero).
+
 The policy lives in `deployments.routing.policy`, its tunables in `kvtide.config.RoutingConfig`;
 this module only adapts.
 """
@@ -67,7 +72,7 @@ from kvtide.deployments.messages import RoutingKey
 from kvtide.deployments.routing.agreement import Agreement, AgreementSampler
 from kvtide.deployments.routing.fleet import DIGEST_SLICE_BLOCKS, FleetView
 from kvtide.deployments.routing.policy import RouterState, route_of
-from kvtide.deployments.routing.trust import write_prediction
+from kvtide.deployments.routing.stages import filters, post_response
 
 DECISION_LATENCY_BUCKETS_S = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2]
 MATCHED_TOKENS_BUCKETS = [1, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768]
@@ -76,12 +81,30 @@ MATCHED_TOKENS_BUCKETS = [1, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 # Half a second stays well inside the metrics agent's gauge TTL (two export intervals, at
 # least 2 s), so a live replica's series never lapses between two sets.
 DIGEST_AGE_RECORD_INTERVAL_S = 0.5
+MATCH_TIERS = ("gpu", "cpu")  # the matched-tokens counter's `tier` values
+
+
+def counter_at_zero(counter: metrics.Counter, tags: dict[str, str]) -> None:
+    """Create `counter`'s series for `tags` at 0, so that it is scraped (and rated) before its first increment.
+
+    Ray's public `inc` refuses 0, so this records through `Metric._record`, the call `inc`
+    itself makes once it has checked the value; a unit test pins that Ray's Counter has it.
+    """
+    counter._record(0, tags=tags)
+
+
+def matched_tokens_by_tier(matched_tokens: int, cpu_matched_tokens: int) -> dict[str, int]:
+    """A decision's matched tokens split by the tier they are expected to come from (tiers with none left out:
+    Ray's counters take positive increments only)."""
+    cpu = max(0, min(cpu_matched_tokens, matched_tokens))
+    return {tier: tokens for tier, tokens in (("gpu", matched_tokens - cpu), ("cpu", cpu)) if tokens > 0}
 
 
 class RouterMetrics:
-    """Routing decisions by policy and outcome, matched-prefix tokens, decision latency, sampled agreement."""
+    """Routing decisions by policy and outcome, matched-prefix tokens (per decision, and by tier), decision latency,
+    sampled agreement."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: str = "prefix_aware") -> None:
         self.decisions = metrics.Counter(
             "kvtide_router_decisions", "Routing decisions by policy, outcome (cache_hit, load_fallback, no_match) "
             "and route (session: the session's last replica; replicated: a hot prefix spread over k >= 2; single).",
@@ -89,6 +112,12 @@ class RouterMetrics:
         self.matched_tokens = metrics.Histogram(
             "kvtide_router_matched_prefix_tokens", "Cached prefix tokens on the chosen replica, per decision.",
             boundaries=MATCHED_TOKENS_BUCKETS, tag_keys=("policy",))
+        self.matched_tokens_by_tier = metrics.Counter(
+            "kvtide_router_matched_tokens", "Matched prefix tokens on the chosen replica, by the tier they are "
+            "expected to come from: gpu (its prefix cache) or cpu (loaded from its CPU KV tier).",
+            tag_keys=("policy", "tier"))
+        for tier in MATCH_TIERS:
+            counter_at_zero(self.matched_tokens_by_tier, {"policy": policy, "tier": tier})
         self.decision_s = metrics.Histogram(
             "kvtide_router_decision_latency_seconds", "Time to rank replicas for one request.",
             boundaries=DECISION_LATENCY_BUCKETS_S, tag_keys=("policy",))
@@ -139,13 +168,8 @@ def _replica_id(replica_id: ReplicaID) -> str:
 
 
 def routable(candidates: List[RunningReplica]) -> List[RunningReplica]:
-    """The candidates that take requests: a standby says so in its routing stats and is left out.
-
-    All standby (a moment in a fleet's life, e.g. the last active replica just died): all stay,
-    and a sleeping one answers with a retryable error rather than the request having nowhere to go.
-    """
-    serving = [r for r in candidates if not _is_standby(r)]
-    return serving or candidates
+    """The candidates that take requests (stages.filters.serving): a standby says so in its routing stats."""
+    return filters.serving(candidates, _is_standby)
 
 
 def _is_standby(replica: RunningReplica) -> bool:
@@ -160,15 +184,12 @@ def _pinned_replica(pending_request: Optional[PendingRequest]) -> str | None:
 
 def pinned_rank(candidates: List[RunningReplica],
                 pending_request: Optional[PendingRequest]) -> List[List[RunningReplica]] | None:
-    """Every router's first step: a request pinned to a replica (the one holding the stored response it
-    names, routing.response_pins) goes there while that replica serves, whatever the policy and its load;
-    None: the policy routes it (no pin, or the replica is gone or set aside as a standby, its store with it)."""
-    pinned = _pinned_replica(pending_request)
-    if pinned is not None:
-        for replica in candidates:
-            if _replica_id(replica.replica_id) == pinned and not _is_standby(replica):
-                return [[replica]]
-    return None
+    """Every router's first step (stages.filters.pinned): a request pinned to a replica (the one holding the
+    stored response it names, routing.response_pins) goes there alone while that replica serves; None: the
+    policy routes it."""
+    replica = filters.pinned(candidates, _pinned_replica(pending_request), lambda r: _replica_id(r.replica_id),
+                             _is_standby)
+    return None if replica is None else [[replica]]
 
 
 class PrefixAwareRouter(FIFOMixin, RequestRouter):
@@ -237,14 +258,15 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         self._metrics.decision_s.observe((time.perf_counter_ns() - started_ns) / 1e9, tags)
         self._metrics.decisions.inc(1, {**tags, "outcome": decision.outcome, "route": route_of(decision)})
         self._metrics.matched_tokens.observe(decision.matched_tokens, tags)
+        for tier, tokens in matched_tokens_by_tier(decision.matched_tokens,
+                                                   decision.cpu_matched_tokens).items():
+            self._metrics.matched_tokens_by_tier.inc(tokens, {**tags, "tier": tier})
         agreement = self._agreement.check(self._state, decision, hashes, snapshots, now_s=now_s,
                                           session_key=session_key)
         if agreement is not None:
             self._metrics.agreement_checks.inc(1, {**tags, **agreement_tags(agreement)})
-        slot = _decision_slot(pending_request)
-        if slot is not None and decision.ranked:
-            # The prediction for the replica Ray tries first; the frontend drops it if another served.
-            write_prediction(slot, decision.ranked[0], decision.matched_tokens, decision.exclusive_tokens)
+        post_response.record_prediction(_decision_slot(pending_request), decision.ranked, decision.matched_tokens,
+                                        decision.exclusive_tokens)
         self._record_digest_ages(now_s)
         if decision.ranked and is_pick_only(pending_request):
             # Ray takes the first replica of a pick-only ranking and tells the router nothing more.

@@ -24,6 +24,8 @@ It waits until Prometheus holds all of it, then:
 - checks Prometheus loaded and evaluated every rule without error;
 - checks the catalog against the scrape: every `ray_kvtide_*` series is catalogued, and
   every catalog entry is scraped (each entry's `needs` is met by the traffic above);
+- checks the KV tiers' series: on CPU no CPU tier runs, yet every running engine replica has
+  each of them, the CPU tier's at zero, and its GPU-tier hit tokens equal vLLM's own count;
 - renders one PNG per dashboard from range queries into dashboards/previews/.
 """
 
@@ -251,6 +253,8 @@ def test_dashboards_and_alerts_return_data_from_a_real_prometheus(cluster, prome
         if not set(entry.series) <= scraped:
             failures.append(f"catalogued but not scraped: {entry.name}")
 
+    failures += _kv_tier_failures(prometheus)
+
     # More traffic rounds before drawing, so the previews show curves rather than a point or two.
     for _ in range(4):
         _drive_traffic(cluster)
@@ -259,6 +263,66 @@ def test_dashboards_and_alerts_return_data_from_a_real_prometheus(cluster, prome
     # sets (~20 s): its engine's gauges are still exported.
     assert _pressure_gauges_exported(cluster.metrics_url), "an idle engine's gauges went missing"
     assert not failures, "\n".join(failures)
+
+
+# Per engine replica, each KV-tier series a running replica exports from its start (ReplicaId: vLLM's label and value).
+TIER_SERIES = ('ray_kvtide_engine_cached_blocks{tier="gpu"}', 'ray_kvtide_engine_cached_blocks{tier="cpu"}',
+               'ray_kvtide_engine_prefix_hit_tokens_total{tier="gpu"}',
+               'ray_kvtide_engine_prefix_hit_tokens_total{tier="cpu"}',
+               'ray_kvtide_engine_kv_transfer_bytes_total{direction="offload"}',
+               'ray_kvtide_engine_kv_transfer_bytes_total{direction="onload"}',
+               "ray_kvtide_engine_onload_tokens_per_second")
+# On CPU vLLM cannot offload (engine.kv_offload is refused there): these stay at zero.
+CPU_TIER_ZERO = ('ray_kvtide_engine_cached_blocks{tier="cpu"}', 'ray_kvtide_engine_prefix_hit_tokens_total{tier="cpu"}',
+                 "ray_kvtide_engine_kv_transfer_bytes_total", "ray_kvtide_engine_onload_tokens_per_second",
+                 'ray_kvtide_router_matched_tokens_total{tier="cpu"}')
+# The shared-prefix traffic hits the GPU tier: these have counted something.
+GPU_TIER_DATA = ('ray_kvtide_engine_cached_blocks{tier="gpu"}', 'ray_kvtide_engine_prefix_hit_tokens_total{tier="gpu"}',
+                 'ray_kvtide_router_matched_tokens_total{tier="gpu"}')
+
+
+def _replica_ids(prom: Prom, expr: str) -> set[str]:
+    return {series["metric"].get("ReplicaId", "") for series in prom.query(expr)}
+
+
+def _gpu_hits_by_replica(prom: Prom, name: str) -> dict[str, float]:
+    """Running replicas' GPU prefix-hit tokens from `name` (kvtide's tier counter or vLLM's own), those with any:
+    vLLM's counter appears at its first hit, kvtide's at zero."""
+    running = _replica_ids(prom, "ray_vllm_num_requests_running")
+    selector = f'{name}{{tier="gpu"}}' if name.startswith("ray_kvtide_") else name
+    return {series["metric"]["ReplicaId"]: float(series["value"][1])
+            for series in prom.query(f"sum by (ReplicaId) ({selector})")
+            if series["metric"]["ReplicaId"] in running and float(series["value"][1]) > 0}
+
+
+def _kv_tier_failures(prom: Prom) -> list[str]:
+    """Every running replica has every KV-tier series; the CPU tier's read 0 here, the GPU tier's count the traffic."""
+    failures = []
+
+    def every_replica_has_every_series() -> bool:
+        running = _replica_ids(prom, "ray_vllm_num_requests_running")
+        return bool(running) and all(running <= _replica_ids(prom, expr) for expr in TIER_SERIES)
+
+    try:
+        wait_for(every_replica_has_every_series, 60, 1.0, "every running engine replica's KV-tier series")
+    except AssertionError as exc:
+        failures.append(str(exc))
+    for expr in CPU_TIER_ZERO:
+        result = prom.query(f"max({expr})")
+        if not finite(result) or float(result[0]["value"][1]) != 0.0:
+            failures.append(f"CPU tier not at zero on a CPU cluster: {expr} = {result}")
+    for expr in GPU_TIER_DATA:
+        result = prom.query(f"sum({expr})")
+        if not finite(result) or float(result[0]["value"][1]) <= 0.0:
+            failures.append(f"no GPU-tier data after shared-prefix traffic: {expr} = {result}")
+    # The tier counter follows the stat logger within one export period (the fleet is idle now).
+    try:
+        wait_for(lambda: _gpu_hits_by_replica(prom, "ray_kvtide_engine_prefix_hit_tokens_total")
+                 == _gpu_hits_by_replica(prom, "ray_vllm_prefix_cache_hits_total"), 60, 1.0,
+                 "kvtide's GPU-tier hit tokens to equal vLLM's prefix_cache_hits per replica")
+    except AssertionError as exc:
+        failures.append(str(exc))
+    return failures
 
 
 def _render_previews(prom: Prom, start: float, end: float) -> None:
