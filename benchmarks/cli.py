@@ -9,6 +9,10 @@
     kvtide bench agentic --base-url URL [--metrics-url URL] --model M --out-dir DIR
                                      agent sessions with tools through chat, Messages and Responses
                                      (benchmarks/agentic.py)
+    kvtide bench router  [--baseline-rev REV --repeats N --out-dir DIR]
+                                     the router's decision latency on a simulated index; with
+                                     --baseline-rev, before (REV) / after (the working tree)
+                                     (benchmarks/router_microbench.py)
 
 `run` measures any OpenAI-compatible server on loopback. `compare` runs the same
 workload with the same seed once per entry of --policies, each on a fresh server.
@@ -63,7 +67,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
 import httpx
 
 from kvtide.benchmarks import readme_results
-from kvtide.benchmarks import agentic, trace_replay
+from kvtide.benchmarks import agentic, router_microbench, trace_replay
 from kvtide.benchmarks.loadgen import DEFAULT_REQUEST_TIMEOUT_S, LoadResult, run_load
 from kvtide.benchmarks.report import (
     DEFAULT_SLO_TTFT_S,
@@ -224,6 +228,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     servers = agentic.Servers(serving, policy_config, repeat_order, scrape, _settled_after)
     trace_replay.add_parser(sub, servers)
     agentic.add_parser(sub, servers)
+    router_microbench.add_parser(sub)
 
 
 # ---- per-workload settings (compare) ---------------------------------------------------------

@@ -31,20 +31,50 @@ the request's `block_hashes` (once per request at the ingress).
 
     .venv/bin/python -m kvtide.benchmarks.router_microbench --out benchmarks/results/router_microbench.md
     .venv/bin/python -m kvtide.benchmarks.router_microbench --replicas 4 --indexed-blocks 2000 --decisions 500  # smoke
+
+Before/after, `--baseline-rev REV`: the single run at REV ("before", checked out into a temporary
+git worktree, removed at the end) and at the working tree ("after"), each run in a process of its
+own that imports kvtide from its side's tree, alternated before/after over `--repeats` rounds with
+the same options (so the same seed and load). `--out-dir` gets before_after.json (every run, both
+trees' commits and import paths, provenance) and before_after.md: each headline latency (decision
+latency and the decision's own work, p50 and p99) as median (min–max) per side, after/before, and
+the protocol's verdict (overlapping ranges are "no difference"). Also `kvtide bench router`.
+
+    .venv/bin/python -m kvtide.benchmarks.router_microbench --baseline-rev HEAD~3 --repeats 3 --out-dir /tmp/router-ba
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
+import json
 import math
 import os
 import platform
 import random
+import shlex
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
+import tomllib
 from collections import defaultdict, deque
+from pathlib import Path
+from typing import Any
 
+from kvtide.benchmarks.protocol import (
+    CLAIM_MIN_REPEATS,
+    format_spread,
+    order_text,
+    provenance,
+    provenance_markdown,
+    ratio_summary,
+    schedule,
+    summarize_repeats,
+    verdict,
+)
 from kvtide.benchmarks.report import percentile
 from kvtide.deployments.routing.block_hash import BlockHash, block_hashes
 from kvtide.config import RoutingConfig
@@ -390,8 +420,255 @@ Outcomes: {', '.join(f'{k}={v}' for k, v in sorted(result['outcomes'].items()))}
 """
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+# ---- before/after: the same single run at the working tree and at another revision --------
+
+BEFORE, AFTER = "before", "after"
+# The latencies a before/after report compares: (the single run's key, its percentile).
+HEADLINE = (("decision_latency_us", "p50"), ("decision_latency_us", "p99"),
+            ("rank_replicas_us", "p50"), ("rank_replicas_us", "p99"))
+HEADLINE_LABELS = {"decision_latency_us": "decision latency (digests in slices)",
+                   "rank_replicas_us": "the decision's own work (snapshots + rank_replicas)"}
+# The single run's options that decide its load, forwarded to both sides with this run's values
+# (not each tree's defaults, which may differ), so every run has the same seed and load. Each
+# exists at the revision this mode was added on and every later one, so an older tree's own
+# argument parser accepts them; a revision before one of them fails with argparse's message.
+FORWARDED_OPTIONS = ("replicas", "indexed_blocks", "blocks_per_request", "block_size", "decisions", "pool",
+                     "rate", "seed", "protocol", "slice_blocks", "delta_window", "full_every")
+# String hashing fixed in every run, so whatever iterates a set of strings does so alike in all of them.
+SIDE_HASH_SEED = "0"
+
+# What each side's process runs (`python -c`): argv = tree, JSON path, the single run's options.
+# It imports kvtide from `tree` alone -- the editable install's finder maps kvtide's packages to
+# the checkout it was installed from, and it sits after the path finder, so PYTHONPATH alone
+# would take `kvtide` from the tree and its subpackages from that checkout. A finder placed
+# first maps each package to the tree's folder as the tree's own pyproject.toml
+# ([tool.setuptools.package-dir]) says; subpackages then follow their parent's folder.
+# It uses only what the single run has had from the start (`main(argv)`, which calls the
+# module's `run`), so a tree from before this mode runs it unchanged.
+SIDE_DRIVER = r"""
+import importlib.util, json, sys, tomllib
+from pathlib import Path
+
+tree, json_out, argv = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+with open(tree / "pyproject.toml", "rb") as f:
+    package_dirs = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+
+
+class TreeFinder:
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        if fullname not in package_dirs:
+            return None
+        folder = tree / package_dirs[fullname]
+        return importlib.util.spec_from_file_location(fullname, folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+
+
+sys.meta_path.insert(0, TreeFinder)
+import kvtide
+import kvtide.benchmarks.router_microbench as bench
+import kvtide.deployments.routing.policy as policy
+
+results = []
+single_run = bench.run
+
+
+def capture(args):
+    results.append(single_run(args))
+    return results[-1]
+
+
+bench.run = capture  # main() looks `run` up at call time
+bench.main(argv)  # its exit status only says whether the p99 target was met
+with open(json_out, "w") as f:
+    json.dump({"result": results[0], "kvtide_file": kvtide.__file__, "policy_file": policy.__file__,
+               "bench_file": bench.__file__}, f)
+"""
+
+
+def _git(root: Path, *argv: str) -> str:
+    done = subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"git {' '.join(argv)} failed in {root}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def repo_root() -> Path:
+    """The git checkout this module's tree is: the "after" side."""
+    return Path(_git(Path(__file__).resolve().parent, "rev-parse", "--show-toplevel").strip())
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo on Linux; what `platform` says elsewhere, None if nothing)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def code_digest(tree: Path) -> str:
+    """A digest of the Python files kvtide imports from `tree` (its package folders' files, tracked or
+    not, by content): equal digests, the same code. A commit alone leaves it as it is; an edit does not."""
+    with open(tree / "pyproject.toml", "rb") as f:
+        folders = sorted(set(tomllib.load(f)["tool"]["setuptools"]["package-dir"].values()))
+    names = sorted(n for n in _git(tree, "ls-files", "-co", "--exclude-standard", "-z", "--", *folders).split("\0")
+                   if n.endswith(".py"))
+    digest = hashlib.sha256()
+    for name in names:
+        path = tree / name
+        digest.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"(deleted)") + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def forwarded_argv(args: argparse.Namespace) -> list[str]:
+    """The single run's options, as both sides' processes get them."""
+    argv = []
+    for dest in FORWARDED_OPTIONS:
+        argv += [f"--{dest.replace('_', '-')}", str(getattr(args, dest))]
+    return argv
+
+
+def run_side(tree: Path, argv: list[str], json_path: Path) -> dict[str, Any]:
+    """One single run of `tree`'s benchmark in a process of its own: its result, where kvtide came from, wall_s."""
+    env = {**os.environ, "PYTHONHASHSEED": SIDE_HASH_SEED}
+    start_s = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", SIDE_DRIVER, str(tree), str(json_path), *argv], cwd=tree, env=env,
+                          capture_output=True, text=True, check=False)
+    wall_s = time.monotonic() - start_s
+    if done.returncode != 0 or not json_path.exists():
+        raise RuntimeError(f"the single run in {tree} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    out = json.loads(json_path.read_text())
+    for key in ("kvtide_file", "policy_file", "bench_file"):  # else it measured other code
+        if not Path(out[key]).resolve().is_relative_to(tree.resolve()):
+            raise RuntimeError(f"the run meant for {tree} imported {out[key]}")
+    return {**out, "wall_s": round(wall_s, 2)}
+
+
+def before_after(args: argparse.Namespace, command: list[str]) -> dict[str, Any]:
+    """The single run at --baseline-rev (before, in a temporary worktree) and at the working tree (after),
+    alternated over --repeats rounds with the same options; writes and returns the report."""
+    root = repo_root()
+    baseline_sha = _git(root, "rev-parse", "--verify", f"{args.baseline_rev}^{{commit}}").strip()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    argv = forwarded_argv(args)
+    # Each run is a fresh process whose timed loop follows its own untimed warm-up (build_state
+    # routes thousands of requests), so no warm-up run precedes the rounds.
+    order = [r for r in schedule([BEFORE, AFTER], args.repeats) if not r.warmup]
+    prov = provenance(command)  # the after side's commit ("-dirty" included) as the runs start
+    worktree = Path(tempfile.mkdtemp(prefix="kvtide-baseline-"))
+    runs = []
+    try:
+        _git(root, "worktree", "add", "--detach", str(worktree), baseline_sha)
+        trees = {BEFORE: worktree, AFTER: root}
+        with tempfile.TemporaryDirectory(prefix="kvtide-before-after-") as scratch:
+            for i, r in enumerate(order):
+                print(f"[{i + 1}/{len(order)}] {r.label}", file=sys.stderr, flush=True)
+                digest = code_digest(trees[r.server])
+                side = run_side(trees[r.server], argv, Path(scratch) / f"{i}.json")
+                runs.append({"side": r.server, "repeat": r.repeat, "code_digest": digest, **side})
+    finally:
+        removed = subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(worktree)],
+                                 capture_output=True, check=False)
+        if removed.returncode != 0 or worktree.exists():  # never registered, or git could not remove it
+            shutil.rmtree(worktree, ignore_errors=True)
+            subprocess.run(["git", "-C", str(root), "worktree", "prune"], capture_output=True, check=False)
+    # The working tree may be edited while the runs go: its code is digested before each run and
+    # after the last, so a change between any two says the after runs did not all run the same code.
+    after_digests = [run["code_digest"] for run in runs if run["side"] == AFTER] + [code_digest(root)]
+
+    def values(side: str, key: str, q: str) -> list[float]:
+        return [run["result"][key][q] for run in runs if run["side"] == side]
+
+    headline = {}
+    for key, q in HEADLINE:
+        before, after = values(BEFORE, key, q), values(AFTER, key, q)
+        said = verdict(after, before, higher_is_better=False)
+        headline[f"{key}.{q}"] = {"before": summarize_repeats(before), "after": summarize_repeats(after),
+                                  "after_over_before": ratio_summary(after, before),
+                                  "verdict": {"better": "faster", "worse": "slower"}.get(said, said)}
+    sides = {}
+    for side, tree in ((BEFORE, worktree), (AFTER, root)):
+        first = next(run for run in runs if run["side"] == side)
+        sides[side] = {"tree": str(tree), "kvtide_file": first["kvtide_file"], "policy_file": first["policy_file"],
+                       "bench_file": first["bench_file"]}
+    sides[BEFORE]["commit"] = baseline_sha
+    sides[BEFORE]["rev"] = args.baseline_rev
+    sides[AFTER]["commit"] = prov["kvtide_commit"]
+    report = {
+        "kind": "router_microbench_before_after",
+        "provenance": {**prov, "cpu_model": cpu_model(), "python_executable": sys.executable,
+                       "platform": platform.platform()},
+        "sides": sides,
+        "side_command": shlex.join([sys.executable, "-c", "<router_microbench.SIDE_DRIVER>", "TREE", "JSON_OUT",
+                                    *argv]),
+        "single_run_options": {dest: getattr(args, dest) for dest in FORWARDED_OPTIONS},
+        "side_env": {"PYTHONHASHSEED": SIDE_HASH_SEED},
+        "repeats": args.repeats,
+        "order": [r.label for r in order],
+        "order_text": order_text(order),
+        "after_code": {"digest_at_end": after_digests[-1], "changed_during_runs": len(set(after_digests)) > 1},
+        "headline": headline,
+        "runs": runs,
+    }
+    (out_dir / "before_after.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "before_after.md").write_text(before_after_markdown(report))
+    return report
+
+
+def before_after_markdown(report: dict[str, Any]) -> str:
+    """The before/after report: each headline latency's median (min–max) per side, the ratio, the verdict."""
+    before, after = report["sides"][BEFORE], report["sides"][AFTER]
+    rows = []
+    for name, h in report["headline"].items():
+        key, q = name.split(".")
+        rows.append(f"| {HEADLINE_LABELS[key]}, {q} (`{key}`) | {format_spread(h['before'])} | "
+                    f"{format_spread(h['after'])} | {format_spread(h['after_over_before'], fmt='{:.2f}', suffix='×')} "
+                    f"| {h['verdict']} |")
+    options = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in report["single_run_options"].items())
+    notes = []
+    if report["repeats"] < CLAIM_MIN_REPEATS:
+        notes.append(f"Fewer than {CLAIM_MIN_REPEATS} repeats: the ranges are too thin to tell a difference from "
+                     "noise.")
+    if report["after_code"]["changed_during_runs"]:
+        notes.append("**The working tree's code changed while the runs went** (each run's `code_digest` in the "
+                     "JSON): the after runs did not all run the same code.")
+    prov = report["provenance"]
+    return "\n".join([
+        f"# Router microbenchmark, before/after: {before['commit'][:12]} ({before['rev']}) → {after['commit']}",
+        "",
+        "Command:",
+        "",
+        f"    {prov['command']}",
+        "",
+        f"Each run is the single run (`main`) of its side's own `router_microbench`, in a process of its own with "
+        f"kvtide imported from that side's tree; {report['repeats']} rounds, alternated: {report['order_text']}.",
+        f"Every run has the same seed and load: `{options}`.",
+        "",
+        "| latency (µs) | before | after | after / before | verdict |",
+        "|---|---:|---:|---:|---|",
+        *rows,
+        "",
+        "Median (min–max) over the repeats; the ratio is paired by round. \"faster\" or \"slower\" only where the "
+        "two ranges do not overlap; overlapping ranges are \"no difference\".",
+        *(["", *notes] if notes else []),
+        "",
+        f"- before: {before['commit']}, kvtide from `{before['kvtide_file']}`, policy `{before['policy_file']}` "
+        f"(a temporary worktree, removed)",
+        f"- after: {after['commit']}, kvtide from `{after['kvtide_file']}`, policy `{after['policy_file']}`",
+        f"- CPU: {prov['cpu_model'] or 'unknown'}; Python {prov['versions']['python']} ({prov['python_executable']}); "
+        f"{prov['platform']}",
+        "",
+        provenance_markdown(prov),
+    ])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The single run's options, then the before/after mode's (`--baseline-rev`, `--repeats`, `--out-dir`)."""
     parser.add_argument("--replicas", type=int, default=32)
     parser.add_argument("--indexed-blocks", type=int, default=100_000, help="blocks held by all engines together")
     parser.add_argument("--blocks-per-request", type=int, default=64)
@@ -406,15 +683,74 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slice-blocks", type=int, default=DIGEST_SLICE_BLOCKS, help="blocks per digest slice")
     parser.add_argument("--delta-window", type=int, default=DEFAULT_DELTA_WINDOW)
     parser.add_argument("--full-every", type=int, default=DEFAULT_FULL_EVERY)
-    parser.add_argument("--out", help="write the Markdown report here")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", help="write the Markdown report here (single run)")
+    before_after = parser.add_argument_group(
+        "before/after", "the single run at the working tree (after) and at --baseline-rev (before), each in a "
+                        "process of its own, alternated over --repeats rounds")
+    before_after.add_argument("--baseline-rev", metavar="REV",
+                              help="git revision to compare against (a sha, HEAD~3, a branch): checked out into a "
+                                   "temporary worktree, removed at the end")
+    before_after.add_argument("--repeats", type=int, default=3, help="rounds of before then after (default 3)")
+    before_after.add_argument("--out-dir", help="where before_after.json and before_after.md go (needed with "
+                                                "--baseline-rev)")
+
+
+def _before_after_problem(args: argparse.Namespace) -> str | None:
+    """Why the parsed options do not make a valid run, or None."""
+    if args.baseline_rev is None:
+        return None if args.out_dir is None else "--out-dir goes with --baseline-rev (a single run takes --out)"
+    if args.out:
+        return "--out is the single run's report; with --baseline-rev the reports go to --out-dir"
+    if not args.out_dir:
+        return "--baseline-rev needs --out-dir"
+    if args.repeats < 1:
+        return f"--repeats must be 1 or more, got {args.repeats}"
+    return None
+
+
+def _single_run(args: argparse.Namespace, command: str) -> int:
     result = run(args)
     print(result)
     if args.out:
-        command = ".venv/bin/python -m kvtide.benchmarks.router_microbench " + " ".join(argv if argv is not None else sys.argv[1:])
         with open(args.out, "w") as f:
             f.write(_markdown(args, result, command))
     return 0 if result["decision_latency_us"]["p99"] <= args.target_p99_us else 1
+
+
+def _dispatch(args: argparse.Namespace, command: list[str]) -> int:
+    if args.baseline_rev is None:
+        return _single_run(args, " ".join(command))
+    report = before_after(args, command)
+    print(before_after_markdown(report))
+    print(f"wrote {Path(args.out_dir) / 'before_after.json'} and {Path(args.out_dir) / 'before_after.md'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    problem = _before_after_problem(args)
+    if problem:
+        parser.error(problem)
+    return _dispatch(args, [".venv/bin/python", "-m", "kvtide.benchmarks.router_microbench",
+                            *(argv if argv is not None else sys.argv[1:])])
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`kvtide bench router` on the bench group's subparsers: this module's own options."""
+    p = sub.add_parser("router", help="the router's decision latency on a large simulated index (one run), or "
+                                      "before/after against --baseline-rev")
+    add_arguments(p)
+    p.set_defaults(func=cmd_router)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    problem = _before_after_problem(args)
+    if problem:
+        print(f"kvtide bench router: {problem}", file=sys.stderr)
+        return 2
+    return _dispatch(args, ["kvtide", *sys.argv[1:]])
 
 
 if __name__ == "__main__":
