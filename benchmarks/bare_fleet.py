@@ -121,6 +121,15 @@ def server_specs(config: KvtideConfig, ports: Sequence[int], cores: Sequence[int
     return specs
 
 
+def fleet_engine_kwargs(config: KvtideConfig) -> dict[str, Any]:
+    """The engine kwargs every bare server runs: kvtide's own engine replica's (`engine_kwargs`), so a config's
+    engine settings, its CPU KV tier (engine.kv_offload) among them, reach bare vLLM as its flags."""
+    from kvtide.deployments.engine.demo_model import resolve_model
+    from kvtide.deployments.engine.placement import engine_kwargs
+
+    return engine_kwargs(config, resolve_model(config.model))
+
+
 def haproxy_config(listen_port: int, server_ports: Sequence[int], timeout_s: float) -> str:
     """HAProxy config: HTTP on 127.0.0.1:listen_port, round robin over one `server` per vLLM port."""
     timeout = max(1, math.ceil(timeout_s))
@@ -232,15 +241,12 @@ def _save_metrics(specs: Sequence[ServerSpec], log_dir: Path) -> None:
 def running(config: KvtideConfig, log_dir: str | Path, *, request_timeout_s: float = 300.0,
             balancer: str = "auto") -> Iterator[BareFleet]:
     """Start N bare vLLM servers and a round-robin balancer; yield the fleet; stop every process they started."""
-    from kvtide.deployments.engine.demo_model import resolve_model
-    from kvtide.deployments.engine.placement import engine_kwargs
-
     if balancer not in BALANCERS:
         raise ValueError(f"balancer {balancer!r}: choose from {BALANCERS}")
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     n = fleet_size(config)
-    kwargs = engine_kwargs(config, resolve_model(config.model))
+    kwargs = fleet_engine_kwargs(config)
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d] or \
         [str(i) for i in range(n * config.engine.tensor_parallel_size)]
     specs = server_specs(config, free_ports(n), sorted(os.sched_getaffinity(0)), visible)

@@ -7,6 +7,13 @@
     multi-turn      users × rounds; one system prompt for all, each round re-sends the
                     growing conversation (its prefix is the previous round's prompt)
     random          independent prompts, nothing shared (the no-affinity baseline)
+    prefix-revisit  groups × rounds; each group one long system prompt, every round visits every
+                    group once with a fresh question. The group order is one seeded permutation
+                    cut into windows of `revisit_window` groups, each window reshuffled per round,
+                    so a group comes back after at least groups − window and at most
+                    groups + window − 2 other requests: a working set of many prefixes revisited
+                    at a bounded distance (a cache holding fewer prefixes than that distance has
+                    evicted a prefix, LRU, before it comes back; one holding them all has not)
 
 Requests are chat messages (`BenchRequest.messages`). Text is drawn from a fixed word
 list, so token counts are approximate: `tokens_per_word` converts (the default was
@@ -83,10 +90,22 @@ class RandomParams:
     output_len: int = 256
 
 
+@dataclass(frozen=True)
+class PrefixRevisitParams:
+    num_groups: int = 24
+    num_rounds: int = 5
+    system_prompt_len: int = 4096
+    question_len: int = 64
+    output_len: int = 16
+    # Groups per window: a group's revisit comes after groups − window .. groups + window − 2 other requests.
+    revisit_window: int = 8
+
+
 WORKLOAD_PARAMS: dict[str, type] = {
     "shared-prefix": SharedPrefixParams,
     "multi-turn": MultiTurnParams,
     "random": RandomParams,
+    "prefix-revisit": PrefixRevisitParams,
 }
 
 
@@ -147,7 +166,27 @@ def _random(p: RandomParams, rng: random.Random, tpw: float) -> list[BenchReques
             for i in range(p.num_requests)]
 
 
-_BUILDERS = {"shared-prefix": _shared_prefix, "multi-turn": _multi_turn, "random": _random}
+def _prefix_revisit(p: PrefixRevisitParams, rng: random.Random, tpw: float) -> list[BenchRequest]:
+    """Every round visits every group once; a group stays in its window of the permutation, so its
+    position moves by less than a window from one round to the next (the revisit bound above)."""
+    if p.num_groups < 1 or p.num_rounds < 1 or p.revisit_window < 1:
+        raise ValueError(f"prefix-revisit needs num_groups, num_rounds and revisit_window >= 1, got {p}")
+    systems = [{"role": "system", "content": _text(rng, p.system_prompt_len, tpw)} for _ in range(p.num_groups)]
+    order = list(range(p.num_groups))
+    rng.shuffle(order)
+    windows = [order[i: i + p.revisit_window] for i in range(0, p.num_groups, p.revisit_window)]
+    out = []
+    for _ in range(p.num_rounds):
+        for window in windows:
+            visits = list(window)
+            rng.shuffle(visits)
+            out += [BenchRequest((systems[g], {"role": "user", "content": _text(rng, p.question_len, tpw)}),
+                                 p.output_len, f"group-{g}") for g in visits]
+    return out
+
+
+_BUILDERS = {"shared-prefix": _shared_prefix, "multi-turn": _multi_turn, "random": _random,
+             "prefix-revisit": _prefix_revisit}
 
 
 def make_params(name: str, **overrides: Any) -> Any:
@@ -191,6 +230,22 @@ def oracle_hit_rate(requests: Sequence[BenchRequest]) -> float | None:
         total_words += sum(words)
         seen.update(keys)
     return hit_words / total_words if total_words else None
+
+
+def oracle_hit_rate_after(warm: Sequence[BenchRequest], requests: Sequence[BenchRequest]) -> float | None:
+    """`oracle_hit_rate` of `requests` sent after `warm`: the infinite cache already holds every prefix
+    `warm` sent, and only `requests`' own words count (a run measured after an unmeasured first pass,
+    e.g. prefix-revisit's first round). None for no requests."""
+    def words(batch: Sequence[BenchRequest]) -> int:
+        return sum(len(m["content"].split()) for r in batch for m in r.messages)
+
+    total = words(requests)
+    if not total:
+        return None
+    # The oracle scans in order, so the hits over warm + requests are warm's own hits plus requests'.
+    both = [*warm, *requests]
+    hits = (oracle_hit_rate(both) or 0.0) * words(both) - (oracle_hit_rate(warm) or 0.0) * words(warm)
+    return hits / total
 
 
 def calibrate_tokens_per_word(tokenizer_path: str, *, num_words: int = 2000, seed: int = 0) -> float:

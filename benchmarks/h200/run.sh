@@ -52,6 +52,11 @@
 #                                              at two engines and differs only in when the second serves (seen:
 #                                              one 8B engine keeps the GPU busy at HIGH_RATE 6, so the second
 #                                              engine on it served the step worse, not better).
+#   bash benchmarks/h200/run.sh kv-tier        issue 51's CPU KV tier (benchmarks/kv_tier.py), one GPU: kvtide with the tier,
+#                                              kvtide without it, bare vLLM with it behind round robin; 2 replicas of the 8B
+#                                              shape each, prefix-revisit load; REPEATS (3) alternated fresh starts per server
+#                                              (KV_TIER_SERVERS, KV_TIER_RATE, KV_TIER_ROUNDS, KV_TIER_GPU_KV_BYTES,
+#                                              KV_TIER_CPU_GIB, KV_TIER_WARMUP_START=1, KV_TIER_SET; the stage's comment)
 #   bash benchmarks/h200/run.sh lora-logprobs  prompt logprobs among other requests with LoRA adapters enabled, kvtide
 #                                              and bare vLLM (demo model) -> lora-logprobs/report.md
 #   bash benchmarks/h200/run.sh preload        Ray's worker preload of vLLM and a new replica's start (no GPU used;
@@ -367,6 +372,44 @@ routing-all)  # the three routing loads on one cluster start per policy (a start
       --workload-set multi-turn.system_prompt_len=1024 --workload-set multi-turn.question_len=256 \
       --workload-set multi-turn.rate="${MULTITURN_RATES:-16}" --workload-set multi-turn.duration="${MULTITURN_DURATION:-30}" \
       --workload-set random.rate="${RANDOM_RATES:-8}"
+  ;;
+kv-tier)  # issue 51: a CPU KV tier per engine replica (vLLM's native offloading), benchmarks/kv_tier.py on one GPU.
+  # Servers: kvtide-tier (kvtide, engine.kv_offload.size_gib=KV_TIER_CPU_GIB), kvtide (the same without the tier: the
+  # TTFT target's baseline), vllm-offload (bare vLLM with the same offloading flags behind round robin). Each: 2 engine
+  # replicas of the 8B shape at 0.5 GPU (0.45 of it claimed; 15 GiB of weights each), KV_TIER_GPU_KV_BYTES of GPU KV
+  # (default 4 GiB: 32,768 tokens at the shape's 128 KiB per token), and on the tier servers KV_TIER_CPU_GIB of host
+  # memory each (default 16: 131,072 tokens; /dev/shm must hold 2 x that, checked first). Load: prefix-revisit,
+  # 24 prefixes of ~4,096 tokens = ~98k tokens (3x one replica's GPU KV, 1.5x the fleet's, 0.75x one replica's
+  # tier), each back after 16-30 other requests (windows of 8): evicted from any GPU cache before it returns, kept by
+  # the tier. The first round is unmeasured; KV_TIER_ROUNDS-1 rounds (default 3: 72 requests) are measured open loop
+  # at KV_TIER_RATE req/s. REPEATS fresh starts per server, alternated (3 x 3 = 9 starts: the starts are most of the
+  # stage's time). KV_TIER_SERVERS=kvtide-tier,kvtide drops the bare server's starts; KV_TIER_WARMUP_START=1 adds the
+  # protocol's unmeasured start per server. enforce_eager: 16 output tokens per request make CUDA graphs worth
+  # little, and every start then skips compilation and graph capture.
+  build_8b; leftovers kv-tier
+  rm -f /dev/shm/vllm_offload_*.mmap  # tier files of engines a stopped run killed: no process is left to own them
+  mkdir -p "$RES/kv-tier"
+  gkv=${KV_TIER_GPU_KV_BYTES:-4294967296}; cgib=${KV_TIER_CPU_GIB:-16}
+  { df -B1 /dev/shm; free -g; } > "$RES/kv-tier/host-memory.txt" 2>&1
+  warm_start=(); [ "${KV_TIER_WARMUP_START:-0}" = 1 ] && warm_start=(--warmup-start)
+  # shellcheck disable=SC2086  # KV_TIER_SET is split into words on purpose
+  CUDA_VISIBLE_DEVICES=0 python3 -m kvtide.benchmarks.kv_tier --config "$REPO/config/presets/gpu-demo.yaml" \
+      --set model=/tmp/models/llama-8b-shape --set served_model_name=llama-8b-shape \
+      --set replicas.num_replicas=2 --set resources.gpus_per_worker=0.5 --set engine.gpu_memory_utilization=null \
+      --set engine.kv_cache_memory_bytes="$gkv" --set engine.max_model_len=8192 --set engine.max_num_seqs=64 \
+      --set engine.max_num_batched_tokens=8192 --set engine.enforce_eager=true \
+      --set http.port=8300 --set metrics.port=8390 ${KV_TIER_SET:-} \
+      --tier-set engine.kv_offload.size_gib="$cgib" \
+      --servers "${KV_TIER_SERVERS:-kvtide-tier,kvtide,vllm-offload}" --repeats "${REPEATS:-3}" "${warm_start[@]}" \
+      --num-groups 24 --system-prompt-len 4096 --question-len 64 --output-len 16 --revisit-window 8 \
+      --num-rounds "${KV_TIER_ROUNDS:-4}" --rate "${KV_TIER_RATE:-4}" --duration 120 --drain-timeout 30 \
+      --metrics-settle 20 --slo-ttft-s "${KV_TIER_SLO_TTFT_S:-1.0}" --tokenizer /tmp/models/llama-8b-shape \
+      --hardware "$(gpu_label 1), 2 engine replicas per server of a Llama-3.1-8B-shaped model (random weights), 0.5 GPU and $((gkv / 1048576)) MiB of GPU KV each, ${cgib} GiB of CPU tier each on the tier servers, vLLM $(python3 -c 'import vllm; print(vllm.__version__)' 2>/dev/null)" \
+      --no-progress --out-dir "$RES/kv-tier" > "$RES/kv-tier/compare.log" 2>&1
+  rc=$?; echo "kv-tier: exit $rc" >> "$RES/driver-notes.txt"
+  # a failed start's reason is in its Serve replica logs (kvtide's servers log under Ray's session folders)
+  [ "$rc" = 0 ] || tar czf "$RES/kv-tier/serve-logs.tar.gz" /tmp/ray/session_*/logs/serve 2>/dev/null
+  rm -f /dev/shm/vllm_offload_*.mmap
   ;;
 placement)
   serve_and_snapshot tp1-x2 --set replicas.num_replicas=2

@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from kvtide.benchmarks.bare_fleet import (
+    fleet_engine_kwargs,
     fleet_size,
     find_haproxy,
     gpu_devices,
@@ -18,7 +19,7 @@ from kvtide.benchmarks.bare_fleet import (
     server_specs,
 )
 from kvtide.benchmarks.cli import policy_config
-from kvtide.benchmarks.processes import stop_process_group
+from kvtide.benchmarks.processes import stop_process_group, vllm_server_cmd
 from kvtide.benchmarks.report import metrics_delta, merge_server_samples, parse_metrics
 from kvtide.config import default_config_path, load_config
 
@@ -130,6 +131,21 @@ def test_bare_policy_config_needs_no_routing_policy():
     assert fleet_size(policy_config(default_config_path(), ["replicas.num_replicas=2"], "bare")) == 2
     with pytest.raises(ValueError):
         policy_config(default_config_path(), ["replicas.num_replicas=0"], "bare")
+
+
+def test_bare_servers_carry_the_cpu_kv_tier_flags():
+    """engine.kv_offload reaches each bare server as vLLM's offloading flags with self-describing events."""
+    gpu = ["model=/models/llama-8b-shape", "resources.device=gpu", "replicas.num_replicas=2",
+           "resources.gpus_per_worker=0.5", "engine.gpu_memory_utilization=null",
+           "engine.kv_cache_memory_bytes=4294967296"]
+    cmd = vllm_server_cmd(fleet_engine_kwargs(policy_config(default_config_path(),
+                                                            [*gpu, "engine.kv_offload.size_gib=16"], "bare")), 9001)
+    flag = {name: cmd[i + 1] for i, name in enumerate(cmd[:-1]) if name.startswith("--kv-")}
+    assert flag["--kv-offloading-size"] == "16.0" and flag["--kv-offloading-backend"] == "native"
+    assert flag["--kv-transfer-config"] == '{"kv_connector_extra_config": {"self_describing_kv_events": true}}'
+    assert flag["--kv-cache-memory-bytes"] == "4294967296"
+    plain = vllm_server_cmd(fleet_engine_kwargs(policy_config(default_config_path(), gpu, "bare")), 9001)
+    assert not [a for a in plain if a.startswith(("--kv-offloading", "--kv-transfer"))]
 
 
 def test_stop_sweeps_what_the_leader_leaves_in_its_group():

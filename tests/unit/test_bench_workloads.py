@@ -8,11 +8,13 @@ import pytest
 
 from kvtide.benchmarks.workloads import (
     MultiTurnParams,
+    PrefixRevisitParams,
     RandomParams,
     SharedPrefixParams,
     build_workload,
     make_params,
     oracle_hit_rate,
+    oracle_hit_rate_after,
 )
 
 SMALL = {
@@ -20,6 +22,8 @@ SMALL = {
                                         output_len=7),
     "multi-turn": MultiTurnParams(num_users=3, num_rounds=4, system_prompt_len=30, question_len=6, output_len=5),
     "random": RandomParams(num_requests=10, input_len=40, output_len=11),
+    "prefix-revisit": PrefixRevisitParams(num_groups=7, num_rounds=4, system_prompt_len=50, question_len=5,
+                                          output_len=3, revisit_window=3),
 }
 
 
@@ -32,7 +36,7 @@ def test_same_seed_same_requests(name):
 
 
 @pytest.mark.parametrize("name, count, max_tokens", [
-    ("shared-prefix", 12, 7), ("multi-turn", 12, 5), ("random", 10, 11),
+    ("shared-prefix", 12, 7), ("multi-turn", 12, 5), ("random", 10, 11), ("prefix-revisit", 28, 3),
 ])
 def test_request_count_and_output_budget(name, count, max_tokens):
     """Each workload yields its request count and sends output_len as max_tokens."""
@@ -151,3 +155,53 @@ def test_oracle_hit_rate_of_multi_turn_reuses_the_previous_round():
     assert oracle_hit_rate(w.requests) == pytest.approx(15 / (15 + 24))
     assert oracle_hit_rate(build_workload("random", SMALL["random"]).requests) == 0.0
     assert oracle_hit_rate([]) is None
+
+
+def test_prefix_revisit_rounds_visit_every_group_once_with_its_own_prefix():
+    """prefix-revisit: each round visits every group once, with the group's own prefix and a fresh question."""
+    p = SMALL["prefix-revisit"]
+    w = build_workload("prefix-revisit", p)
+    rounds = [w.requests[i: i + p.num_groups] for i in range(0, len(w.requests), p.num_groups)]
+    assert len(rounds) == p.num_rounds
+    assert all(sorted(r.group for r in rnd) == sorted(f"group-{g}" for g in range(p.num_groups)) for rnd in rounds)
+    systems = defaultdict(set)
+    for r in w.requests:
+        assert [m["role"] for m in r.messages] == ["system", "user"]
+        systems[r.group].add(r.messages[0]["content"])
+    assert all(len(s) == 1 for s in systems.values()) and len({next(iter(s)) for s in systems.values()}) == 7
+    assert len({r.messages[1]["content"] for r in w.requests}) == len(w.requests)
+
+
+@pytest.mark.parametrize("groups, window", [(7, 3), (24, 8), (5, 5), (6, 1)])
+def test_prefix_revisit_distance_is_bounded_by_the_window(groups, window):
+    """A revisit comes after groups − w .. groups + w − 2 requests (≥ groups − w distinct groups); rounds reshuffle."""
+    p = PrefixRevisitParams(num_groups=groups, num_rounds=6, system_prompt_len=4, question_len=2, output_len=1,
+                            revisit_window=window)
+    groups_sent = [r.group for r in build_workload("prefix-revisit", p, seed=5).requests]
+    last: dict[str, int] = {}
+    for i, group in enumerate(groups_sent):
+        if group in last:
+            between = groups_sent[last[group] + 1: i]
+            assert groups - window <= len(between) <= groups + window - 2
+            assert len(set(between) - {group}) >= groups - window
+        last[group] = i
+    rounds = {tuple(groups_sent[i: i + groups]) for i in range(0, len(groups_sent), groups)}
+    assert len(rounds) > 1 if window > 1 else len(rounds) == 1
+
+
+def test_prefix_revisit_refuses_empty_shapes():
+    """A prefix-revisit with no group, round or window is a configuration error."""
+    with pytest.raises(ValueError, match="revisit_window"):
+        build_workload("prefix-revisit", PrefixRevisitParams(revisit_window=0))
+
+
+def test_oracle_after_a_first_round_counts_every_later_prefix_as_held():
+    """After a warm first round the oracle holds every prefix: 4 later requests hit 12 of 15 words each, 0.8."""
+    p = PrefixRevisitParams(num_groups=2, num_rounds=3, system_prompt_len=12, question_len=3, output_len=1,
+                            revisit_window=2)
+    w = build_workload("prefix-revisit", p, tokens_per_word=1.0)
+    warm, measured = w.requests[:2], w.requests[2:]
+    assert oracle_hit_rate_after(warm, measured) == pytest.approx(4 * 12 / (4 * 15))
+    assert oracle_hit_rate(w.requests) == pytest.approx(4 * 12 / (6 * 15))
+    assert oracle_hit_rate_after((), measured) == pytest.approx(oracle_hit_rate(measured))
+    assert oracle_hit_rate_after(warm, ()) is None

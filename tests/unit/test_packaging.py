@@ -250,6 +250,12 @@ def test_wheel_installs_only_the_kvtide_import_name(tmp_path):
                    "kvtide/autoscaling/control_law.py", "kvtide/benchmarks/loadgen.py", "kvtide/simulator/fleet.py",
                    "kvtide/simulator/profiles/llama-8b-h100.json"):
         assert module in names
+    # every subpackage of every mapped folder (setuptools' explicit list misses a new one silently)
+    mapped = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    missing = [f"{package.replace('.', '/')}/{init.parent.relative_to(REPO / folder).as_posix()}/__init__.py"
+               .replace("/./", "/") for package, folder in mapped.items() if package != "kvtide"
+               for init in (REPO / folder).rglob("__init__.py") if "__pycache__" not in init.parts]
+    assert [name for name in missing if name not in names] == []
 
 
 def test_the_embedded_default_config_resolves_to_a_file():
