@@ -61,6 +61,7 @@ import tempfile
 import time
 import tomllib
 from collections import defaultdict, deque
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -140,33 +141,51 @@ class _Engines:
     """
 
     def __init__(self, replicas: list[str], capacity_blocks: int, *, full_every: int = DEFAULT_FULL_EVERY,
-                 delta_window: int = DEFAULT_DELTA_WINDOW):
+                 delta_window: int = DEFAULT_DELTA_WINDOW, cpu_capacity_blocks: int = 0):
         self.capacity_blocks = capacity_blocks
         self.held: dict[str, dict[BlockHash, None]] = {r: {} for r in replicas}
         self.journals = {r: DigestJournal(r, 1, delta_window=delta_window, full_every=full_every) for r in replicas}
+        # A CPU tier per engine (0: none): vLLM's offloading connector stores every block the engine
+        # computes, into an LRU of its own, reported in the digest's `cpu` part.
+        self.cpu_capacity_blocks = cpu_capacity_blocks
+        self.cpu_held: dict[str, dict[BlockHash, None]] = {r: {} for r in replicas} if cpu_capacity_blocks else {}
+        self.cpu_journals = {r: DigestJournal(r, 1, delta_window=delta_window, full_every=full_every)
+                             for r in self.cpu_held}
 
     def store(self, rid: str, hashes: list[BlockHash]) -> None:
-        blocks, journal = self.held[rid], self.journals[rid]
-        for h in hashes:
-            if blocks.pop(h, _ABSENT) is _ABSENT:  # a new block (a held one just moves to the LRU's end)
-                journal.stored(h)
-            blocks[h] = None
-        while len(blocks) > self.capacity_blocks:
-            oldest = next(iter(blocks))
-            del blocks[oldest]
-            journal.removed(oldest)
+        _store_lru(self.held[rid], self.journals[rid], hashes, self.capacity_blocks)
+        if self.cpu_capacity_blocks:
+            _store_lru(self.cpu_held[rid], self.cpu_journals[rid], hashes, self.cpu_capacity_blocks)
 
     @property
     def num_held(self) -> int:
         return sum(len(b) for b in self.held.values())
 
     def digest(self, rid: str, now_s: float) -> CacheDigest:
-        return self.journals[rid].digest(self.held[rid], now_s)
+        digest = self.journals[rid].digest(self.held[rid], now_s)
+        if not self.cpu_capacity_blocks:
+            return digest
+        return replace(digest, cpu=self.cpu_journals[rid].digest(self.cpu_held[rid], now_s))
 
     def full_digest(self, rid: str, now_s: float) -> CacheDigest:
-        """This period's report as the protocol before deltas sent it: the full set alone."""
+        """This period's report as the protocol before deltas sent it: the full set alone (each tier's)."""
         d = self.digest(rid, now_s)
-        return CacheDigest.from_hashes(rid, d.epoch, d.sequence, self.held[rid], timestamp_s=now_s)
+        cpu = None if d.cpu is None else CacheDigest.from_hashes(rid, d.cpu.epoch, d.cpu.sequence, self.cpu_held[rid],
+                                                                 timestamp_s=now_s)
+        return CacheDigest.from_hashes(rid, d.epoch, d.sequence, self.held[rid], timestamp_s=now_s, cpu=cpu)
+
+
+def _store_lru(blocks: dict[BlockHash, None], journal: DigestJournal, hashes: list[BlockHash],
+               capacity_blocks: int) -> None:
+    """Store `hashes` in an LRU (insertion-ordered dict) of `capacity_blocks`, journalling what enters and leaves."""
+    for h in hashes:
+        if blocks.pop(h, _ABSENT) is _ABSENT:  # a new block (a held one just moves to the LRU's end)
+            journal.stored(h)
+        blocks[h] = None
+    while len(blocks) > capacity_blocks:
+        oldest = next(iter(blocks))
+        del blocks[oldest]
+        journal.removed(oldest)
 
 
 class _StatsPushes:
@@ -196,8 +215,10 @@ def build_state(args: argparse.Namespace) -> tuple[RouterState, _Engines, list[R
     state = RouterState(RoutingConfig(), args.block_size)
     replicas = [f"replica-{i:02d}" for i in range(args.replicas)]
     # 25 % above an even share, so the fleet reaches the target total before LRU evicts.
+    cpu_blocks = getattr(args, "cpu_tier_blocks", 0)
     engines = _Engines(replicas, math.ceil(1.25 * args.indexed_blocks / args.replicas),
-                       full_every=1 if args.protocol == "full" else args.full_every, delta_window=args.delta_window)
+                       full_every=1 if args.protocol == "full" else args.full_every, delta_window=args.delta_window,
+                       cpu_capacity_blocks=math.ceil(cpu_blocks / args.replicas) if cpu_blocks else 0)
     step_s = 1.0 / args.rate
 
     # Warm-up traffic: route, and keep what each engine would hold.
@@ -569,7 +590,9 @@ def before_after(args: argparse.Namespace, command: list[str]) -> dict[str, Any]
             for i, r in enumerate(order):
                 print(f"[{i + 1}/{len(order)}] {r.label}", file=sys.stderr, flush=True)
                 digest = code_digest(trees[r.server])
-                side = run_side(trees[r.server], argv, Path(scratch) / f"{i}.json")
+                side_argv = argv + (["--cpu-tier-blocks", str(args.after_cpu_tier_blocks)]
+                                    if r.server == AFTER and args.after_cpu_tier_blocks else [])
+                side = run_side(trees[r.server], side_argv, Path(scratch) / f"{i}.json")
                 runs.append({"side": r.server, "repeat": r.repeat, "code_digest": digest, **side})
     finally:
         removed = subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(worktree)],
@@ -607,6 +630,7 @@ def before_after(args: argparse.Namespace, command: list[str]) -> dict[str, Any]
         "side_command": shlex.join([sys.executable, "-c", "<router_microbench.SIDE_DRIVER>", "TREE", "JSON_OUT",
                                     *argv]),
         "single_run_options": {dest: getattr(args, dest) for dest in FORWARDED_OPTIONS},
+        "after_cpu_tier_blocks": args.after_cpu_tier_blocks,
         "side_env": {"PYTHONHASHSEED": SIDE_HASH_SEED},
         "repeats": args.repeats,
         "order": [r.label for r in order],
@@ -631,6 +655,10 @@ def before_after_markdown(report: dict[str, Any]) -> str:
                     f"| {h['verdict']} |")
     options = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in report["single_run_options"].items())
     notes = []
+    if report.get("after_cpu_tier_blocks"):
+        notes.append(f"The after side runs with a CPU KV tier of {report['after_cpu_tier_blocks']:,} blocks over all "
+                     "engines (`--cpu-tier-blocks`): each decision also matches the CPU index, each report carries "
+                     "the tier's digest; the before side has no tier.")
     if report["repeats"] < CLAIM_MIN_REPEATS:
         notes.append(f"Fewer than {CLAIM_MIN_REPEATS} repeats: the ranges are too thin to tell a difference from "
                      "noise.")
@@ -683,6 +711,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slice-blocks", type=int, default=DIGEST_SLICE_BLOCKS, help="blocks per digest slice")
     parser.add_argument("--delta-window", type=int, default=DEFAULT_DELTA_WINDOW)
     parser.add_argument("--full-every", type=int, default=DEFAULT_FULL_EVERY)
+    parser.add_argument("--cpu-tier-blocks", type=int, default=0,
+                        help="blocks the engines' CPU KV tiers hold together (0: no tier); every stored block is "
+                             "offloaded, as vLLM's offloading connector does")
     parser.add_argument("--out", help="write the Markdown report here (single run)")
     before_after = parser.add_argument_group(
         "before/after", "the single run at the working tree (after) and at --baseline-rev (before), each in a "
@@ -691,6 +722,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               help="git revision to compare against (a sha, HEAD~3, a branch): checked out into a "
                                    "temporary worktree, removed at the end")
     before_after.add_argument("--repeats", type=int, default=3, help="rounds of before then after (default 3)")
+    before_after.add_argument("--after-cpu-tier-blocks", type=int, default=0, metavar="N",
+                              help="the after side only runs with --cpu-tier-blocks N (a revision before the tier "
+                                   "has no such option): what the tier adds to a decision, against the baseline")
     before_after.add_argument("--out-dir", help="where before_after.json and before_after.md go (needed with "
                                                 "--baseline-rev)")
 

@@ -151,3 +151,21 @@ def test_code_digest_follows_the_package_files_content_not_commits(tmp_path):
     assert rmb.code_digest(tmp_path) == uncommitted
     (tmp_path / "deployments" / "policy.py").write_text("A = 2\n")
     assert rmb.code_digest(tmp_path) != uncommitted
+
+
+def test_a_cpu_tier_reaches_the_router_state_through_the_engines_digests():
+    """--cpu-tier-blocks: every engine offloads what it stores, and the warmed router's CPU index holds it."""
+    import argparse
+
+    from kvtide.benchmarks import router_microbench as mb
+
+    parser = argparse.ArgumentParser()
+    mb.add_arguments(parser)
+    args = parser.parse_args(["--replicas", "4", "--indexed-blocks", "2000", "--blocks-per-request", "8",
+                              "--block-size", "16", "--pool", "400", "--cpu-tier-blocks", "8000"])
+    state, engines, *_ = mb.build_state(args)
+    assert engines.num_held >= 2000
+    assert all(state.cpu_index.num_held_by(rid) == len(engines.cpu_held[rid]) > 0 for rid in engines.held)
+    assert all(set(engines.held[rid]) <= set(engines.cpu_held[rid]) for rid in engines.held)
+    args.cpu_tier_blocks = 0
+    assert mb.build_state(args)[0].cpu_index.num_engine_blocks == 0
