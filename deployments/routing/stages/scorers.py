@@ -71,8 +71,17 @@ def match_cpu(request_hashes: Sequence[BlockHash], ids: Sequence[str], gpu_block
     reported a CPU tier (the common case costs nothing)."""
     if cpu_index is None or not cpu_index.num_engine_blocks or not request_hashes:
         return None
-    run = cpu_index.run_held_by
-    return [run(rid, request_hashes, g) for rid, g in zip(ids, gpu_blocks)]
+    # The CPU tier's own prefix from block 0 (the index's chunked walk, one pass for every replica) gives the
+    # run after the GPU match whenever it reaches that far: the offloading connector stores what the engine
+    # computes, so a host tier usually holds at least what the GPU does. A tier that lost an early block
+    # while the GPU kept it is walked from the GPU match on its own.
+    from_start = cpu_index.match(request_hashes, 0.0, engine_only=True)
+    get, run = from_start.get, cpu_index.run_held_by
+    runs = []
+    for rid, g in zip(ids, gpu_blocks):
+        c = get(rid, 0)
+        runs.append(c - g if c >= g else run(rid, request_hashes, g))
+    return runs
 
 
 def replication_credit(group: BlockHash, request_hashes: Sequence[BlockHash], ids: Sequence[str],
