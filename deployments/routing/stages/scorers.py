@@ -122,11 +122,10 @@ def prefix_cost(num_blocks: int, cached: Sequence[int], gpu_blocks: Sequence[int
     new_prefill = tunables.uncached_weight * block_size
     if cpu_blocks is None:
         return [(num_blocks - c) * new_prefill for c in cached]
-    costs = []
-    for c, g, extra, snap in zip(cached, gpu_blocks, cpu_blocks, snapshots):
-        loaded = max(0, g + extra - c)  # CPU-tier blocks past what counts as on GPU
-        costs.append((num_blocks - c - loaded) * new_prefill + loaded * block_size * snap.cpu_block_weight)
-    return costs
+    # CPU-tier blocks past what counts as on GPU (the credit may cover some of them)
+    loaded = [g + extra - c if g + extra > c else 0 for c, g, extra in zip(cached, gpu_blocks, cpu_blocks)]
+    return [(num_blocks - c - n) * new_prefill + n * block_size * snap.cpu_block_weight if n else
+            (num_blocks - c) * new_prefill for c, n, snap in zip(cached, loaded, snapshots)]
 
 
 def queue_cost(loads: Sequence[int], pendings: Sequence[int], tunables: RoutingConfig) -> list[float]:
