@@ -188,15 +188,6 @@ class KvCacheTracker:
             return gpu
         return replace(gpu, cpu=self._cpu.journal.digest(self._cpu.held, now_s))
 
-    def cpu_prefix_blocks(self, hashes: Sequence[BlockHash], start: int) -> int:
-        """How many of `hashes`, from position `start`, the CPU tier holds in a row (what a load would bring in)."""
-        held = self._cpu.held
-        count = 0
-        for block in hashes[start:]:
-            if block not in held:
-                break
-            count += 1
-        return count
     def cached_prefix_blocks(self, hashes: Sequence[BlockHash], token_ids: Sequence[int],
                              cache_salt: str | None = None) -> int:
         """How many of a prompt's full blocks, from the first, this replica holds.

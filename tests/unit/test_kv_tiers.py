@@ -39,7 +39,7 @@ def tracker() -> KvCacheTracker:
 
 def test_a_block_moves_gpu_to_cpu_to_evicted_as_vllm_reports_it():
     """Stored on GPU, offloaded (CPU store), evicted from GPU, then from CPU: each tier's set follows its own events."""
-    t = tracker()
+    t = KvCacheTracker("r1", epoch=3, block_size=BS, full_every=1)  # every digest a full set of each tier
     vh = [f"v{i}" for i in range(8)]
     t.apply(stored(vh, None, TOKENS, MEDIUM_GPU))
     assert (t.num_blocks, t.num_cpu_blocks) == (8, 0)
@@ -48,10 +48,11 @@ def test_a_block_moves_gpu_to_cpu_to_evicted_as_vllm_reports_it():
     t.apply(removed(vh[4:], MEDIUM_GPU))
     assert (t.num_blocks, t.num_cpu_blocks) == (4, 8)
     assert t.cached_prefix_blocks(HASHES, TOKENS) == 4  # the GPU hit is the GPU tier's alone
-    assert t.cpu_prefix_blocks(HASHES, 4) == 4  # what a load brings in after it
+    assert t.digest(1.0).cpu.hashes() == frozenset(HASHES)  # what a load brings in after it
     t.apply(removed(vh[6:], MEDIUM_CPU))
     assert (t.num_blocks, t.num_cpu_blocks) == (4, 6)
-    assert t.cpu_prefix_blocks(HASHES, 4) == 2
+    digest = t.digest(2.0)
+    assert (digest.cpu.hashes(), digest.hashes()) == (frozenset(HASHES[:6]), frozenset(HASHES[:4]))
 
 
 def test_a_cpu_store_names_its_blocks_through_a_parent_known_only_on_gpu():
