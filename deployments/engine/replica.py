@@ -149,8 +149,8 @@ class EngineReplica:
             from vllm.config import StructuredOutputsConfig
 
             kwargs["structured_outputs_config"] = StructuredOutputsConfig(**kwargs["structured_outputs_config"])
-        # The CPU KV tier (engine.kv_offload; read defensively: a config without the section has no tier).
-        kv_offload = getattr(self.config.engine, "kv_offload", None)
+        # The CPU KV tier (engine.kv_offload; size_gib unset: no tier).
+        kv_offload = self.config.engine.kv_offload
         self._kv_tier = tier_configured(kv_offload)
         self._onload_gib_per_s = configured_load_gib_per_s(kv_offload)
         # Resolved as `vllm serve` resolves it (engine_config.py): the same flags give the same engine.
