@@ -47,6 +47,10 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", help="Mooncake-format JSON lines (default: the shared synthetic trace)")
     p.add_argument("--profile", default="llama-8b-h100", help="a committed profile's name, or a profile JSON")
     p.add_argument("--kv-gib", type=float, required=True, help="KV cache per replica, GiB")
+    p.add_argument("--kv-offload-gib", type=float,
+                   help="a CPU KV tier per replica, GiB (engine.kv_offload.size_gib; default: none)")
+    p.add_argument("--load-gib-per-s", type=float,
+                   help="the tier's host→GPU load rate, GiB/s (default: engine.kv_offload.load_gib_per_s's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--report-delay-s", type=float, default=0.0, help="engine report → router, seconds")
@@ -147,6 +151,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.set_defaults(func=cmd_fit)
 
 
+def with_cpu_tier(limits: Any, kv_bytes_per_token: int, size_gib: float, load_gib_per_s: float | None) -> Any:
+    """`limits` with a CPU tier of `size_gib` per replica loading at `load_gib_per_s` (None: the config's default)."""
+    from kvtide.config.model import KvOffloadConfig
+
+    rate = load_gib_per_s if load_gib_per_s is not None else KvOffloadConfig().load_gib_per_s
+    if size_gib <= 0 or rate <= 0:
+        raise ValueError(f"--kv-offload-gib and --load-gib-per-s must be positive, got {size_gib} and {rate}")
+    blocks = int(size_gib * 2**30) // (kv_bytes_per_token * limits.block_size)
+    return replace(limits, cpu_tier_blocks=blocks, cpu_onload_s_per_token=kv_bytes_per_token / (rate * 2**30))
+
+
 def _setup(args: argparse.Namespace, num_replicas: int) -> tuple[Any, list[Any], Any, str]:
     """(SimConfig, trace items, profile, trace path) from the shared flags; ValueError/ConfigError name a bad one."""
     from kvtide.benchmarks.trace_replay import ScaleOptions, default_trace_path, read_trace, scale_trace
@@ -163,6 +178,8 @@ def _setup(args: argparse.Namespace, num_replicas: int) -> tuple[Any, list[Any],
         max_output_tokens=args.max_output_tokens, limit=args.limit, start_s=args.start_s,
         duration_s=args.duration_s))
     limits = profile.limits(int(args.kv_gib * 2**30), args.max_num_batched_tokens, args.max_num_seqs)
+    if getattr(args, "kv_offload_gib", None):
+        limits = with_cpu_tier(limits, profile.kv_bytes_per_token, args.kv_offload_gib, args.load_gib_per_s)
     items = tenant_copies([TraceItem(r.timestamp_ms, r.input_length, r.output_length, r.hash_ids)
                            for r in scaled.requests], args.copies)
     if args.utilization is not None:
@@ -189,7 +206,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         "kind": "simulated_fleet", "command": shlex.join(["kvtide", *sys.argv[1:]]),
         "provenance": provenance(["kvtide", *sys.argv[1:]]),
         "description": (f"{args.replicas} simulated replicas ({profile.name}: {limits.num_blocks} blocks of "
-                        f"{limits.block_size} tokens each), {len(items)} requests of `{trace}` "
+                        f"{limits.block_size} tokens each"
+                        + (f", a CPU tier of {limits.cpu_tier_blocks} blocks loading "
+                           f"{1 / limits.cpu_onload_s_per_token:,.0f} tokens/s" if limits.cpu_tier_blocks else "")
+                        + f"), {len(items)} requests of `{trace}` "
                         f"(block tokens {args.block_tokens}, {args.copies} tenant cop{'y' if args.copies == 1 else 'ies'}, time "
                         f"scale {args.time_scale:.4g}" + (f": {args.utilization:g} of the fleet's prefill capacity"
                                                           if args.utilization is not None else "") + ")."),

@@ -63,12 +63,23 @@ Invariants (vLLM v1 scheduler + KV cache manager, simplified):
 7. Stats are kept incrementally: kv_usage = blocks with ref count > 0 / num_blocks (only running
    requests hold references), pending_prefill_tokens = uncomputed prompt tokens of running
    requests + full prompts of waiting ones (a preempted request counts its whole prompt again).
+8. CPU tier (limits.cpu_tier_blocks > 0; vLLM's KV offloading). Every hash a block newly gets on GPU is
+   also stored in the tier (write-through, as the offloading connector stores what the engine computes),
+   an LRU of cpu_tier_blocks hashes: a new one goes to its back (`cpu_stored`), the front is evicted past
+   the capacity (`cpu_removed`). At admission, after the GPU hit, the longest run of the following
+   block_hashes the tier holds (within the same cap) is loaded: those blocks are allocated on GPU like
+   computed ones and get their hashes (`stored`), count as cached (cached_tokens includes them, as vLLM's
+   computed tokens include a connector's), and add cpu_onload_s_per_token per token to the step's duration.
+   Simplification: vLLM loads asynchronously while other requests step; here the load stalls the step.
+   Stores and admissions (GPU hits and loads alike, as the connector touches a request's blocks) move a
+   hash to the tier's back. prefix_hits_tokens counts GPU hits only;
+   cpu_hits_tokens the loaded tokens.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -95,11 +106,15 @@ class EngineLimits:
     block_size: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    cpu_tier_blocks: int = 0  # host-memory blocks of the CPU KV tier (0: none)
+    cpu_onload_s_per_token: float = 0.0  # seconds to load one token's KV from the tier (host link)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineLimits.{name} must be >= 1, got {getattr(self, name)}")
+        if self.cpu_tier_blocks < 0 or self.cpu_onload_s_per_token < 0:
+            raise ValueError("EngineLimits.cpu_tier_blocks and cpu_onload_s_per_token must be >= 0")
 
 
 @dataclass
@@ -129,6 +144,9 @@ class StepResult:
     stored: list[int]
     removed: list[int]
     preempted: list[SimRequest]
+    cpu_stored: list[int] = field(default_factory=list)  # hashes entering the CPU tier
+    cpu_removed: list[int] = field(default_factory=list)  # hashes the CPU tier evicted
+    loaded_tokens: int = 0  # tokens loaded from the CPU tier in this step
 
 
 class _Seq:
@@ -152,7 +170,7 @@ class EngineModel:
     __slots__ = ("_limits", "_profile", "_bs", "_num_blocks", "_max_tokens", "_max_seqs",
                  "_ref", "_block_hash", "_hash_to_block", "_free", "_next_fresh",
                  "_running", "_waiting", "_pending_prefill", "_queries", "_hits", "_preemptions",
-                 "_blocks_touched")
+                 "_blocks_touched", "_cpu", "_cpu_hits", "_cpu_stored", "_cpu_removed")
 
     def __init__(self, limits: EngineLimits, profile: StepProfile) -> None:
         self._limits = limits
@@ -175,6 +193,11 @@ class EngineModel:
         self._hits = 0
         self._preemptions = 0
         self._blocks_touched = 0   # cumulative blocks allocated, hit-referenced and released (tests bound it)
+        # The CPU tier: hash → None, least recently stored or hit first (invariant 8); None: no tier.
+        self._cpu: OrderedDict[int, None] | None = OrderedDict() if limits.cpu_tier_blocks else None
+        self._cpu_hits = 0
+        self._cpu_stored: list[int] = []
+        self._cpu_removed: list[int] = []
 
     # ---- stats (O(1)) -------------------------------------------------------------------------
 
@@ -213,6 +236,14 @@ class EngineModel:
     @property
     def num_preemptions(self) -> int:
         return self._preemptions
+
+    @property
+    def cpu_hits_tokens(self) -> int:
+        return self._cpu_hits
+
+    def cpu_cached_blocks(self) -> int:
+        """Hashes the CPU tier holds (0 without one)."""
+        return len(self._cpu) if self._cpu is not None else 0
 
     def cached_blocks(self) -> int:
         """Blocks currently holding a hash (in use or free-but-cached)."""
@@ -263,6 +294,9 @@ class EngineModel:
         stored: list[int] = []
         removed: list[int] = []
         preempted: list[SimRequest] = []
+        self._cpu_stored, self._cpu_removed = [], []
+        cpu = self._cpu
+        loaded_tokens = 0
 
         # Running requests, in admission order.
         i = 0
@@ -327,7 +361,14 @@ class EngineModel:
                     if ref[b] == 0:
                         free_hits += 1
                     hit_blocks.append(b)
-                cached = len(hit_blocks) * bs
+                gpu_cached = len(hit_blocks) * bs
+                loaded = 0
+                if cpu is not None:
+                    j = len(hit_blocks)
+                    while j < cap and hashes[j] in cpu:
+                        j += 1
+                    loaded = (j - len(hit_blocks)) * bs
+                cached = gpu_cached + loaded
                 n = prompt - cached
                 if n > budget:
                     n = budget
@@ -348,7 +389,13 @@ class EngineModel:
                 req = seq.req
                 req.cached_tokens = cached
                 self._queries += prompt
-                self._hits += cached
+                self._hits += gpu_cached
+                if cpu is not None:
+                    self._cpu_hits += loaded
+                    loaded_tokens += loaded
+                    for h in hashes[:len(hit_blocks) + loaded // bs]:  # the connector touches what it holds
+                        if h in cpu:
+                            cpu.move_to_end(h)
                 self._pending_prefill -= cached + n
                 seq.computed = new_c
                 running.append(seq)
@@ -356,7 +403,7 @@ class EngineModel:
                 kv_read += new_c
                 prefill_tokens += n
                 if hashes:
-                    self._hash_full_blocks(seq, cached, new_c, stored)
+                    self._hash_full_blocks(seq, gpu_cached, new_c, stored)
                 if new_c == prompt:
                     seq.produced += 1
                     if req.first_token_s is None:
@@ -365,8 +412,9 @@ class EngineModel:
                         done.append(seq)
 
         if prefill_tokens == 0 and decode_seqs == 0:
-            return StepResult(0.0, 0, 0, [], [], stored, removed, preempted)
+            return StepResult(0.0, 0, 0, [], [], stored, removed, preempted, self._cpu_stored, self._cpu_removed)
         duration = self._profile.step_time_s(prefill_tokens, decode_seqs, kv_read) * slowdown
+        duration += loaded_tokens * self._limits.cpu_onload_s_per_token
         end = now_s + duration
         for req in first:
             req.first_token_s = end
@@ -376,7 +424,7 @@ class EngineModel:
                 self._release(seq)
             self._running = [s for s in running if s.produced < s.output]
         return StepResult(duration, prefill_tokens, decode_seqs, first, [s.req for s in done],
-                          stored, removed, preempted)
+                          stored, removed, preempted, self._cpu_stored, self._cpu_removed, loaded_tokens)
 
     # ---- blocks ---------------------------------------------------------------------------------
 
@@ -415,6 +463,19 @@ class EngineModel:
                 hash_to_block[h] = b
                 self._block_hash[b] = h
                 stored.append(h)
+                if self._cpu is not None:
+                    self._offload(h)
+
+    def _offload(self, h: int) -> None:
+        """Write-through to the CPU tier (invariant 8): `h` at the LRU's back, the front evicted past capacity."""
+        cpu = self._cpu
+        if h in cpu:
+            cpu.move_to_end(h)
+            return
+        cpu[h] = None
+        self._cpu_stored.append(h)
+        if len(cpu) > self._limits.cpu_tier_blocks:
+            self._cpu_removed.append(cpu.popitem(last=False)[0])
 
     def _release(self, seq: _Seq) -> None:
         """Drop the request's references, tail blocks first; blocks reaching 0 join the back of the free queue."""

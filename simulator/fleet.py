@@ -34,7 +34,7 @@ from __future__ import annotations
 import heapq
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Protocol, Sequence
 
 from kvtide.config.routing import RoutingConfig
@@ -252,6 +252,9 @@ class SimReplica:
         self.engine = EngineModel(config.limits, config.profile)
         self.journal = DigestJournal(replica_id, epoch=1)
         self.held: set[int] = set()
+        # The CPU tier's block set and journal, reported in the digest's `cpu` part (as KvCacheTracker does).
+        self.cpu_journal = DigestJournal(replica_id, epoch=1) if config.limits.cpu_tier_blocks else None
+        self.cpu_held: set[int] = set()
         self.durations = RecentDurations()
         self.stepping = False  # a step is in flight (its end is on the event queue)
         self.prefill_tokens_since_report = 0
@@ -268,8 +271,11 @@ class SimReplica:
         """Sleep level 1 frees the engine's KV: an empty cache, a fresh digest epoch (FleetSim._cache_gone first
         takes its blocks out of the fleet's views)."""
         self.held.clear()
+        self.cpu_held.clear()
         self.engine = EngineModel(self.engine.limits, self.engine.profile)
         self.journal = DigestJournal(self.replica_id, epoch=self.journal.epoch + 1)
+        if self.cpu_journal is not None:
+            self.cpu_journal = DigestJournal(self.replica_id, epoch=self.journal.epoch)
 
     def land(self, result: StepResult, holders: dict[int, int] | None = None) -> None:
         """A step's cache changes, as the engine's KV events would tell the tracker; `holders` (block name →
@@ -286,6 +292,15 @@ class SimReplica:
                 self.journal.removed(name)
                 if holders is not None:
                     _drop_holder(holders, name)
+        if self.cpu_journal is not None:
+            for name in result.cpu_stored:
+                if name not in self.cpu_held:
+                    self.cpu_held.add(name)
+                    self.cpu_journal.stored(name)
+            for name in result.cpu_removed:
+                if name in self.cpu_held:
+                    self.cpu_held.discard(name)
+                    self.cpu_journal.removed(name)
         self.prefill_tokens_since_report += result.prefill_tokens
         for request in result.finished:
             self.durations.observe(request.finished_s - request.arrival_s)
@@ -296,10 +311,16 @@ class SimReplica:
         elapsed_s = now_s - self.last_report_s
         rate = self.prefill_tokens_since_report / elapsed_s if elapsed_s > 0 else 0.0
         self.prefill_tokens_since_report, self.last_report_s = 0, now_s
+        digest = self.journal.digest(self.held, now_s)
+        onload_tokens_per_s = 0.0
+        if self.cpu_journal is not None:
+            digest = replace(digest, cpu=self.cpu_journal.digest(self.cpu_held, now_s))
+            per_token_s = engine.limits.cpu_onload_s_per_token
+            onload_tokens_per_s = 1.0 / per_token_s if per_token_s > 0 else 0.0
         return {"reported_s": now_s, "num_running": engine.num_running, "num_waiting": engine.num_waiting,
                 "kv_usage_perc": engine.kv_usage, "pending_prefill_tokens": engine.pending_prefill_tokens,
-                "prefill_tokens_per_s": rate, "request_durations_s": self.durations.quantiles(),
-                "digest": self.journal.digest(self.held, now_s)}
+                "prefill_tokens_per_s": rate, "onload_tokens_per_s": onload_tokens_per_s,
+                "request_durations_s": self.durations.quantiles(), "digest": digest}
 
 
 def _drop_holder(holders: dict[int, int], name: int) -> None:
@@ -319,10 +340,11 @@ class SimResult:
     replica_of: dict[str, str]
     samples: list[tuple[float, str, int, int, float]]  # (t, replica, running, waiting, kv usage)
     prefix_queries_tokens: int
-    prefix_hits_tokens: int
+    prefix_hits_tokens: int  # GPU prefix-cache hits
     num_preemptions: int
     decision_wall_s: list[float]
     end_s: float
+    cpu_hits_tokens: int = 0  # tokens loaded from the engines' CPU tiers
     # Autoscaled fleets: (t, replicas taking traffic, standby, starting) at each tick, and what the
     # autoscaler did: (t, verb, replica id) with verb one of started, serving, demoted, woken, stopping, stopped.
     replica_counts: list[tuple[float, int, int, int]] = field(default_factory=list)
@@ -581,7 +603,8 @@ class FleetSim:
                          prefix_queries_tokens=sum(e.prefix_queries_tokens for e in engines),
                          prefix_hits_tokens=sum(e.prefix_hits_tokens for e in engines),
                          num_preemptions=sum(e.num_preemptions for e in engines), decision_wall_s=decision_wall_s,
-                         end_s=now_s, replica_counts=counts, scaling_events=self.scaling_events)
+                         end_s=now_s, cpu_hits_tokens=sum(e.cpu_hits_tokens for e in engines),
+                         replica_counts=counts, scaling_events=self.scaling_events)
 
 
 def tenant_copies(items: Sequence[TraceItem], copies: int) -> list[TraceItem]:

@@ -40,8 +40,12 @@ def summarize(result: SimResult, slo_ttft_s: float) -> dict[str, Any]:
         "ttft_s": {q: percentile(ttfts, p) for q, p in (("p50", 50), ("p90", 90), ("p99", 99))},
         "e2e_s": {q: percentile(e2es, p) for q, p in (("p50", 50), ("p90", 90))},
         "goodput_requests_per_s": sum(1 for t in ttfts if t <= slo_ttft_s) / span_s if span_s > 0 else None,
-        "hit_rate": result.prefix_hits_tokens / result.prefix_queries_tokens if result.prefix_queries_tokens else None,
+        # Both tiers' hits (what the engines did not prefill); the CPU tier's share apart.
+        "hit_rate": ((result.prefix_hits_tokens + result.cpu_hits_tokens) / result.prefix_queries_tokens
+                     if result.prefix_queries_tokens else None),
+        "cpu_hit_rate": result.cpu_hits_tokens / result.prefix_queries_tokens if result.prefix_queries_tokens else None,
         "prefix_hits_tokens": result.prefix_hits_tokens,
+        "cpu_hits_tokens": result.cpu_hits_tokens,
         "prefix_queries_tokens": result.prefix_queries_tokens,
         "num_preemptions": result.num_preemptions,
         "requests_per_replica": {"min": counts[0] if counts else 0, "max": counts[-1] if counts else 0},
@@ -55,13 +59,14 @@ def report_markdown(results: Mapping[str, Any]) -> str:
 
     lines = ["# Simulated fleet", "", f"{results['description']}", "",
              f"| policy | requests | TTFT p50 (ms) | TTFT p90 (ms) | e2e p90 (ms) | goodput (req/s, TTFT ≤ "
-             f"{results['slo_ttft_s'] * 1000:g} ms) | hit rate | preemptions | decision p50 / p99 (µs) |",
+             f"{results['slo_ttft_s'] * 1000:g} ms) | hit rate (of it CPU tier) | preemptions | decision p50 / p99 (µs) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in results["policies"].values():
         lines.append(f"| {s['policy']} | {s['num_finished']}/{s['num_requests']} | {f(s['ttft_s']['p50'] and s['ttft_s']['p50'] * 1e3, '{:.0f}')} | "
                      f"{f(s['ttft_s']['p90'] and s['ttft_s']['p90'] * 1e3, '{:.0f}')} | "
                      f"{f(s['e2e_s']['p90'] and s['e2e_s']['p90'] * 1e3, '{:.0f}')} | "
-                     f"{f(s['goodput_requests_per_s'], '{:.2f}')} | {f(s['hit_rate'], '{:.3f}')} | "
+                     f"{f(s['goodput_requests_per_s'], '{:.2f}')} | {f(s['hit_rate'], '{:.3f}')}"
+                     f"{'' if not s.get('cpu_hits_tokens') else ' (' + f(s['cpu_hit_rate'], '{:.3f}') + ')'} | "
                      f"{s['num_preemptions']} | {f(s['decision_wall_us']['p50'], '{:.0f}')} / "
                      f"{f(s['decision_wall_us']['p99'], '{:.0f}')} |")
     lines += ["", f"Command: `{results['command']}`", ""]

@@ -360,3 +360,50 @@ def test_many_requests_all_finish_with_bounded_block_work():
     bound = sum(2 * -(-(r.prompt_tokens + r.output_tokens) // bs) * (1 + r.num_preemptions) for r in reqs)
     assert engine._blocks_touched <= bound
     assert admissions >= 2000 and steps > 0
+
+
+def _tier_engine(gpu_blocks: int, cpu_blocks: int, onload_s_per_token: float = 0.0) -> EngineModel:
+    limits = EngineLimits(num_blocks=gpu_blocks, block_size=4, max_num_batched_tokens=64, max_num_seqs=8,
+                          cpu_tier_blocks=cpu_blocks, cpu_onload_s_per_token=onload_s_per_token)
+    return EngineModel(limits, StepProfile(base_s=0.01, per_prefill_token_s=0.001, per_decode_seq_s=0.0))
+
+
+def _run_one(engine: EngineModel, request: SimRequest, now_s: float) -> list:
+    engine.add(request)
+    results = []
+    while engine.has_work():
+        result = engine.step(now_s)
+        results.append(result)
+        now_s += result.duration_s
+    return results
+
+
+def test_a_cpu_tier_keeps_what_the_gpu_evicted_and_loads_it_instead_of_a_prefill():
+    """Invariant 8: write-through offload, a later request's blocks past its GPU hit loaded, not recomputed."""
+    engine = _tier_engine(gpu_blocks=5, cpu_blocks=16, onload_s_per_token=0.0001)
+    a = SimRequest("a", 0.0, (1, 2, 3, 4), 17, 1)
+    first = _run_one(engine, a, 0.0)
+    assert [h for r in first for h in r.cpu_stored] == [1, 2, 3, 4]
+    _run_one(engine, SimRequest("b", 1.0, (11, 12, 13, 14), 17, 1), 1.0)  # evicts a's blocks from the GPU
+    assert not engine.holds(1) and engine.cpu_cached_blocks() == 8
+    again = _run_one(engine, SimRequest("a2", 2.0, (1, 2, 3, 4), 17, 1), 2.0)
+    assert again[0].loaded_tokens == 16 and again[0].prefill_tokens == 1
+    assert engine.cpu_hits_tokens == 16 and engine.prefix_hits_tokens == 0
+    assert again[0].duration_s == pytest.approx(0.01 + 0.001 * 1 + 16 * 0.0001)
+    assert set(again[0].stored) == {1, 2, 3, 4}  # loaded blocks are GPU-cached again
+
+
+def test_the_cpu_tier_evicts_its_least_recently_used_hash_past_its_capacity():
+    """The tier is an LRU of cpu_tier_blocks hashes: the oldest leaves (cpu_removed) as new ones come."""
+    engine = _tier_engine(gpu_blocks=12, cpu_blocks=4)
+    _run_one(engine, SimRequest("a", 0.0, (1, 2, 3, 4), 17, 1), 0.0)
+    results = _run_one(engine, SimRequest("b", 1.0, (5, 6), 9, 1), 1.0)
+    assert [h for r in results for h in r.cpu_removed] == [1, 2]
+    assert engine.cpu_cached_blocks() == 4
+
+
+def test_without_a_cpu_tier_the_engine_reports_no_tier_events():
+    """cpu_tier_blocks 0: no offload, no loads (the model as before the tier)."""
+    engine = _tier_engine(gpu_blocks=12, cpu_blocks=0)
+    results = _run_one(engine, SimRequest("a", 0.0, (1, 2, 3, 4), 17, 1), 0.0)
+    assert all(not r.cpu_stored and not r.loaded_tokens for r in results) and engine.cpu_cached_blocks() == 0

@@ -371,3 +371,17 @@ def test_ray_kv_learns_from_the_engines_events_in_the_fleet():
     assert {rid: held for rid, held in sim.policy.held.items() if held} == {
         rid: r.held for rid, r in sim.replicas.items() if r.held}
     assert sim.policy.routed == {} and not any(sim.policy.active_prefill.values())
+
+
+def test_a_cpu_tier_reaches_the_router_and_raises_the_hit_rate_where_groups_outgrow_the_gpu():
+    """With a CPU tier per engine the digests carry it to the router's CPU index, and groups evicted from GPU
+    are loaded instead of recomputed: the hit rate (both tiers) rises above the same fleet's without a tier."""
+    items = shared_prefix_trace(num_groups=16, per_group=10, prefix_ids=6, gap_ms=60.0)
+    small = config(num_replicas=2, num_blocks=80)  # 16 groups × 24 blocks outgrow 2 × 80 GPU blocks
+    tiered = replace(small, limits=replace(small.limits, cpu_tier_blocks=1000, cpu_onload_s_per_token=1e-6))
+    without = summarize(FleetSim(small, "prefix_aware").run(sim_requests(items, 64, 16)), 1.0)
+    sim = FleetSim(tiered, "prefix_aware")
+    with_tier = summarize(sim.run(sim_requests(items, 64, 16)), 1.0)
+    assert sim.policy.state.cpu_index.num_engine_blocks > 0
+    assert with_tier["cpu_hit_rate"] > 0 and without["cpu_hit_rate"] == 0
+    assert with_tier["hit_rate"] > without["hit_rate"]
