@@ -151,17 +151,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.set_defaults(func=cmd_fit)
 
 
-def with_cpu_tier(limits: Any, kv_bytes_per_token: int, size_gib: float, load_gib_per_s: float | None) -> Any:
-    """`limits` with a CPU tier of `size_gib` per replica loading at `load_gib_per_s` (None: the config's default)."""
-    from kvtide.config.model import KvOffloadConfig
-
-    rate = load_gib_per_s if load_gib_per_s is not None else KvOffloadConfig().load_gib_per_s
-    if size_gib <= 0 or rate <= 0:
-        raise ValueError(f"--kv-offload-gib and --load-gib-per-s must be positive, got {size_gib} and {rate}")
-    blocks = int(size_gib * 2**30) // (kv_bytes_per_token * limits.block_size)
-    return replace(limits, cpu_tier_blocks=blocks, cpu_onload_s_per_token=kv_bytes_per_token / (rate * 2**30))
-
-
 def _setup(args: argparse.Namespace, num_replicas: int) -> tuple[Any, list[Any], Any, str]:
     """(SimConfig, trace items, profile, trace path) from the shared flags; ValueError/ConfigError name a bad one."""
     from kvtide.benchmarks.trace_replay import ScaleOptions, default_trace_path, read_trace, scale_trace
@@ -179,6 +168,8 @@ def _setup(args: argparse.Namespace, num_replicas: int) -> tuple[Any, list[Any],
         duration_s=args.duration_s))
     limits = profile.limits(int(args.kv_gib * 2**30), args.max_num_batched_tokens, args.max_num_seqs)
     if getattr(args, "kv_offload_gib", None):
+        from kvtide.simulator.plan import with_cpu_tier
+
         limits = with_cpu_tier(limits, profile.kv_bytes_per_token, args.kv_offload_gib, args.load_gib_per_s)
     items = tenant_copies([TraceItem(r.timestamp_ms, r.input_length, r.output_length, r.hash_ids)
                            for r in scaled.requests], args.copies)

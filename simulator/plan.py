@@ -61,11 +61,24 @@ def smallest_fleet(config: SimConfig, policy: str, items: Sequence[TraceItem], b
     return PlanResult(policy, slo_ttft_p90_s, meeting, dict(sorted(tried.items())))
 
 
-def plan_on_trace(*, kv_bytes_per_replica: int, kv_bytes_per_token: int, max_model_len: int, args: Any
-                  ) -> dict[str, Any]:
+def with_cpu_tier(limits: EngineLimits, kv_bytes_per_token: int, size_gib: float,
+                  load_gib_per_s: float | None) -> EngineLimits:
+    """`limits` with a CPU tier of `size_gib` per replica loading at `load_gib_per_s` (None: the config's default)."""
+    from kvtide.config.model import KvOffloadConfig
+
+    rate = load_gib_per_s if load_gib_per_s is not None else KvOffloadConfig().load_gib_per_s
+    if size_gib <= 0 or rate <= 0:
+        raise ValueError(f"a CPU tier's size and load rate must be positive, got {size_gib} GiB and {rate} GiB/s")
+    blocks = int(size_gib * 2**30) // (kv_bytes_per_token * limits.block_size)
+    return replace(limits, cpu_tier_blocks=blocks, cpu_onload_s_per_token=kv_bytes_per_token / (rate * 2**30))
+
+
+def plan_on_trace(*, kv_bytes_per_replica: int, kv_bytes_per_token: int, max_model_len: int, args: Any,
+                  cpu_kv_bytes_per_replica: int = 0) -> dict[str, Any]:
     """`kvtide plan --trace`'s second step (found through the `kvtide.planners` entry points): the KV per replica
-    the capacity plan found, the profile's step time, the trace as `kvtide bench trace` scales it; the smallest
-    fleet per policy. Prompts longer than max_model_len minus the longest output are cut."""
+    the capacity plan found (GPU, and the CPU tier's host bytes when one is planned), the profile's step time,
+    the trace as `kvtide bench trace` scales it; the smallest fleet per policy. Prompts longer than
+    max_model_len minus the longest output are cut."""
     from kvtide.benchmarks.trace_replay import ScaleOptions, read_trace, scale_trace
     from kvtide.config.routing import RoutingConfig
     from kvtide.simulator.engine import EngineLimits
@@ -82,6 +95,9 @@ def plan_on_trace(*, kv_bytes_per_replica: int, kv_bytes_per_token: int, max_mod
     block_size = profile.block_size
     limits = EngineLimits(num_blocks=kv_bytes_per_replica // (kv_bytes_per_token * block_size), block_size=block_size,
                           max_num_batched_tokens=8192, max_num_seqs=256)
+    if cpu_kv_bytes_per_replica > 0:
+        limits = with_cpu_tier(limits, kv_bytes_per_token, cpu_kv_bytes_per_replica / 2**30,
+                               getattr(args, "load_gib_per_s", None))
     max_output = 256
     scaled = scale_trace(read_trace(args.trace), ScaleOptions(
         block_tokens=args.block_tokens, time_scale=args.time_scale, max_input_tokens=max_model_len - max_output,

@@ -245,8 +245,8 @@ def test_cli_refuses_a_cpu_tier_block_size_or_working_set_below_one(flags, words
     assert code == 2 and words in err
 
 
-def test_cli_says_a_simulated_fleet_counted_gpu_kv_alone_when_a_cpu_tier_is_planned(monkeypatch, tmp_path, capsys):
-    """`--trace` with a CPU tier: the simulator sizes the fleet on GPU KV (it has no CPU tier), and the plan says so."""
+def test_cli_hands_a_planned_cpu_tier_to_the_simulator_and_says_so(monkeypatch, tmp_path, capsys):
+    """`--trace` with a CPU tier: the simulator gets the tier's host bytes per replica, and the plan says it simulated it."""
     import kvtide.autoscaling.cli as cli
 
     seen = {}
@@ -259,8 +259,9 @@ def test_cli_says_a_simulated_fleet_counted_gpu_kv_alone_when_a_cpu_tier_is_plan
     trace = ["--trace", str(tmp_path / "t.jsonl"), "--slo-ttft-p90-ms", "500"]
     code, out, _ = run_cli(["plan", *SHAPE_FLAGS, "--kv-offload-gib", "400", *trace], capsys)
     assert code == 0 and seen["kv_bytes_per_replica"] == plan_capacity(LLAMA_70B, 139, 131072, 4).kv_bytes_per_replica
-    assert "fleet on the trace:       simulated with GPU KV alone" in out
+    assert seen["cpu_kv_bytes_per_replica"] == 400 * 2**30
+    assert "fleet on the trace:       simulated with the CPU tier" in out
     code, out, _ = run_cli(["plan", *SHAPE_FLAGS, "--kv-offload-gib", "400", *trace, "--json"], capsys)
-    assert json.loads(out)["fleet"]["cpu_kv_tier"].startswith("simulated with GPU KV alone")
+    assert json.loads(out)["fleet"]["cpu_kv_tier"].startswith("simulated with the CPU tier")
     code, out, _ = run_cli(["plan", *SHAPE_FLAGS, *trace], capsys)
-    assert "GPU KV alone" not in out
+    assert "CPU tier" not in out.split("fleet for")[-1] and seen["cpu_kv_bytes_per_replica"] == 0

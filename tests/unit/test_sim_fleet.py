@@ -385,3 +385,24 @@ def test_a_cpu_tier_reaches_the_router_and_raises_the_hit_rate_where_groups_outg
     assert sim.policy.state.cpu_index.num_engine_blocks > 0
     assert with_tier["cpu_hit_rate"] > 0 and without["cpu_hit_rate"] == 0
     assert with_tier["hit_rate"] > without["hit_rate"]
+
+
+def test_kvtide_plan_with_a_trace_and_a_cpu_tier_simulates_the_tier(tmp_path, capsys):
+    """`kvtide plan --trace --kv-offload-gib`: the simulated engines carry the tier (its blocks and load rate)."""
+    import argparse as _argparse
+
+    from kvtide.autoscaling.cli import register
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 50 * i, "input_length": 512, "output_length": 16,
+                                         "hash_ids": [i % 3, 100 + i]}) + "\n" for i in range(20)))
+    parser = _argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--params-b", "8",
+                              "--gpu-mem-gib", "80", "--max-model-len", "8192", "--trace", str(trace),
+                              "--block-tokens", "256", "--max-replicas", "4", "--kv-offload-gib", "2",
+                              "--slo-ttft-p90-ms", "5000", "--json"])
+    assert args.func(args) == 0
+    fleet = json.loads(capsys.readouterr().out)["fleet"]
+    assert fleet["limits"]["cpu_tier_blocks"] == 2 * 2**30 // (131072 * 16)
+    assert fleet["limits"]["cpu_onload_s_per_token"] > 0
