@@ -51,6 +51,8 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
                    help="a CPU KV tier per replica, GiB (engine.kv_offload.size_gib; default: none)")
     p.add_argument("--load-gib-per-s", type=float,
                    help="the tier's host→GPU load rate, GiB/s (default: engine.kv_offload.load_gib_per_s's)")
+    p.add_argument("--tier-blind", action="store_true",
+                   help="replicas keep the CPU tier but do not report it: routing on GPU blocks alone")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--report-delay-s", type=float, default=0.0, help="engine report → router, seconds")
@@ -178,7 +180,8 @@ def _setup(args: argparse.Namespace, num_replicas: int) -> tuple[Any, list[Any],
                                          args.block_tokens)
     items = [replace(i, timestamp_ms=i.timestamp_ms * args.time_scale) for i in items]
     config = SimConfig(num_replicas=num_replicas, limits=limits, profile=profile.step, routing=routing,
-                       report_delay_s=args.report_delay_s, seed=args.seed)
+                       report_delay_s=args.report_delay_s, seed=args.seed,
+                       router_sees_cpu_tier=not getattr(args, "tier_blind", False))
     return config, items, profile, str(trace)
 
 
@@ -199,7 +202,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         "description": (f"{args.replicas} simulated replicas ({profile.name}: {limits.num_blocks} blocks of "
                         f"{limits.block_size} tokens each"
                         + (f", a CPU tier of {limits.cpu_tier_blocks} blocks loading "
-                           f"{1 / limits.cpu_onload_s_per_token:,.0f} tokens/s" if limits.cpu_tier_blocks else "")
+                           f"{1 / limits.cpu_onload_s_per_token:,.0f} tokens/s"
+                           + (", not reported to the router" if args.tier_blind else "")
+                           if limits.cpu_tier_blocks else "")
                         + f"), {len(items)} requests of `{trace}` "
                         f"(block tokens {args.block_tokens}, {args.copies} tenant cop{'y' if args.copies == 1 else 'ies'}, time "
                         f"scale {args.time_scale:.4g}" + (f": {args.utilization:g} of the fleet's prefill capacity"

@@ -98,6 +98,9 @@ class SimConfig:
     # lasts (m + 1) × its profile time. Separate processes on one GPU time-slice it (no MPS), so concurrent
     # steps serialize; the share is fixed when the step starts (a simplification).
     engines_per_gpu: int = 1
+    # Whether replicas report their CPU tier to the router (the digest's `cpu` part and the onload rate), as
+    # kvtide's do. False plays a tier-blind router over the same tiers: offloading on, routing on GPU blocks alone.
+    router_sees_cpu_tier: bool = True
 
     @property
     def stats_period_s(self) -> float:
@@ -254,6 +257,7 @@ class SimReplica:
         self.held: set[int] = set()
         # The CPU tier's block set and journal, reported in the digest's `cpu` part (as KvCacheTracker does).
         self.cpu_journal = DigestJournal(replica_id, epoch=1) if config.limits.cpu_tier_blocks else None
+        self.reports_cpu_tier = config.router_sees_cpu_tier
         self.cpu_held: set[int] = set()
         self.durations = RecentDurations()
         self.stepping = False  # a step is in flight (its end is on the event queue)
@@ -313,7 +317,7 @@ class SimReplica:
         self.prefill_tokens_since_report, self.last_report_s = 0, now_s
         digest = self.journal.digest(self.held, now_s)
         onload_tokens_per_s = 0.0
-        if self.cpu_journal is not None:
+        if self.cpu_journal is not None and self.reports_cpu_tier:
             digest = replace(digest, cpu=self.cpu_journal.digest(self.cpu_held, now_s))
             per_token_s = engine.limits.cpu_onload_s_per_token
             onload_tokens_per_s = 1.0 / per_token_s if per_token_s > 0 else 0.0

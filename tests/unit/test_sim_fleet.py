@@ -406,3 +406,14 @@ def test_kvtide_plan_with_a_trace_and_a_cpu_tier_simulates_the_tier(tmp_path, ca
     fleet = json.loads(capsys.readouterr().out)["fleet"]
     assert fleet["limits"]["cpu_tier_blocks"] == 2 * 2**30 // (131072 * 16)
     assert fleet["limits"]["cpu_onload_s_per_token"] > 0
+
+
+def test_a_tier_blind_router_gets_no_cpu_digest_while_the_engines_keep_their_tiers():
+    """router_sees_cpu_tier=False: the same tiers load hits, but the router's CPU index stays empty."""
+    items = shared_prefix_trace(num_groups=16, per_group=10, prefix_ids=6, gap_ms=60.0)
+    small = config(num_replicas=2, num_blocks=80)
+    blind = replace(small, limits=replace(small.limits, cpu_tier_blocks=1000, cpu_onload_s_per_token=1e-6),
+                    router_sees_cpu_tier=False)
+    sim = FleetSim(blind, "prefix_aware")
+    result = summarize(sim.run(sim_requests(items, 64, 16)), 1.0)
+    assert sim.policy.state.cpu_index.num_engine_blocks == 0 and result["cpu_hit_rate"] > 0
