@@ -3,13 +3,15 @@
     python -m kvtide.benchmarks.kv_tier --config FILE --set ... --tier-set engine.kv_offload.size_gib=16 \\
         --rate 4 --repeats 3 --out-dir DIR
 
-Servers (`--servers`, all three by default):
+Servers (`--servers`, the first three by default):
 
     kvtide-tier    kvtide's cluster (routing.policy --policy, prefix_aware by default) with the
                    `--tier-set` overrides: vLLM's native CPU KV tier in every engine replica
     kvtide         the same cluster without them: the baseline the TTFT target is read against
     vllm-offload   bare vLLM servers with the same `--tier-set` overrides behind a round-robin
                    balancer, no kvtide (`kvtide bench compare`'s `bare`, benchmarks/bare_fleet.py)
+    kvtide-tier-blind  (only when named) kvtide-tier with routing.cpu_tier_aware=false: the same tiers,
+                   routed on GPU blocks alone; what the tier-aware cost adds over prefix affinity
 
 Every server gets the same `--set` overrides, so its engines resolve alike but for the tier
 (results.json's `engine.servers.<name>.engine_config` and `engine.differences` say so, resolved
@@ -63,11 +65,14 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import httpx
 
 WORKLOAD = "prefix-revisit"
-SERVERS = ("kvtide-tier", "kvtide", "vllm-offload")
+SERVERS = ("kvtide-tier", "kvtide", "vllm-offload", "kvtide-tier-blind")
+DEFAULT_SERVERS = SERVERS[:3]  # the blind one costs a third more device time: named when wanted
 BASELINE = "kvtide"
 CANDIDATE = "kvtide-tier"
 BARE_SERVERS = ("vllm-offload",)
-TIER_SERVERS = ("kvtide-tier", "vllm-offload")
+TIER_SERVERS = ("kvtide-tier", "vllm-offload", "kvtide-tier-blind")
+# Overrides of a server's own after the tier's: the blind server routes on GPU blocks alone.
+OWN_OVERRIDES = {"kvtide-tier-blind": ("routing.cpu_tier_aware=false",)}
 # The issue's targets: kvtide-tier's TTFT p90 over kvtide's at most this, its hit rate over the
 # infinite cache's at least this.
 TTFT_P90_RATIO_TARGET = 0.7
@@ -491,7 +496,8 @@ def server_specs(servers: Sequence[str], overrides: Sequence[str], tier_sets: Se
     unknown = [s for s in servers if s not in SERVERS]
     if unknown or not servers or len(set(servers)) != len(servers):
         raise ValueError(f"servers are a subset of {', '.join(SERVERS)}, each once; got {list(servers)}")
-    return [ServerSpec(s, s in BARE_SERVERS, (*overrides, *(tier_sets if s in TIER_SERVERS else ())))
+    return [ServerSpec(s, s in BARE_SERVERS, (*overrides, *(tier_sets if s in TIER_SERVERS else ()),
+                                              *OWN_OVERRIDES.get(s, ())))
             for s in servers]
 
 
@@ -600,7 +606,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="config override for every server (repeatable)")
     p.add_argument("--tier-set", dest="tier_sets", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for the tier servers only, e.g. engine.kv_offload.size_gib=16 (repeatable)")
-    p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated subset of {', '.join(SERVERS)}")
+    p.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
+                   help=f"comma-separated subset of {', '.join(SERVERS)} (default: {', '.join(DEFAULT_SERVERS)})")
     p.add_argument("--policy", default="prefix_aware", help="routing.policy of the kvtide servers")
     p.add_argument("--repeats", type=int, default=CLAIM_MIN_REPEATS, help="measured fresh starts per server")
     p.add_argument("--warmup-start", action="store_true",

@@ -61,3 +61,6 @@ class RoutingConfig(Strict):
     session_ttl_s: float = Field(
         60.0, gt=0,
         description="prefix_aware: how long a session sticks to the replica of its last turn (under the load guard).")
+    cpu_tier_aware: bool = Field(
+        True, description="prefix_aware: count the prompt blocks a replica holds in its CPU KV tier (engine.kv_offload) "
+                          "at their load cost; false: route on GPU blocks alone (the tier still serves its hits).")

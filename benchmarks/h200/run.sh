@@ -383,7 +383,8 @@ kv-tier)  # issue 51: a CPU KV tier per engine replica (vLLM's native offloading
   # tier), each back after 16-30 other requests (windows of 8): evicted from any GPU cache before it returns, kept by
   # the tier. The first round is unmeasured; KV_TIER_ROUNDS-1 rounds (default 3: 72 requests) are measured open loop
   # at KV_TIER_RATE req/s. REPEATS fresh starts per server, alternated (3 x 3 = 9 starts: the starts are most of the
-  # stage's time). KV_TIER_SERVERS=kvtide-tier,kvtide drops the bare server's starts; KV_TIER_WARMUP_START=1 adds the
+  # stage's time). KV_TIER_SERVERS=kvtide-tier,kvtide drops the bare server's starts; adding kvtide-tier-blind (the same
+  # tiers routed on GPU blocks alone: what the tier-aware cost adds; the simulator found none) costs 3 starts more; KV_TIER_WARMUP_START=1 adds the
   # protocol's unmeasured start per server. enforce_eager: 16 output tokens per request make CUDA graphs worth
   # little, and every start then skips compilation and graph capture.
   build_8b; leftovers kv-tier

@@ -89,7 +89,7 @@ def check_agreement(state: RouterState, decision: RoutingDecision, request_hashe
     engine_match = state.index.match(request_hashes, now_s, engine_only=True)
     shared = rank_replicas(request_hashes, state.block_size, snapshots, state.index, state.tunables, _NO_DRAW,
                            now_s=now_s, session_key=session_key, prefix_match=engine_match,
-                           cpu_index=state.cpu_index)
+                           cpu_index=state.cpu_index if state.tunables.cpu_tier_aware else None)
     picked, shared_choice = decision.ranked[0], shared.ranked[0]
     if picked == shared_choice:
         return Agreement(True, shared_choice)

@@ -152,7 +152,7 @@ class RouterState:
              *, now_s: float, session_key: str | None = None) -> RoutingDecision:
         return rank_replicas(request_hashes, self.block_size, snapshots, self.index, self.tunables, rng, now_s=now_s,
                              session_key=session_key, demand=self.demand, sessions=self.sessions,
-                             cpu_index=self.cpu_index)
+                             cpu_index=self.cpu_index if self.tunables.cpu_tier_aware else None)
 
     def on_routed(self, replica_id: str, request_hashes: Sequence[BlockHash], now_s: float,
                   session_key: str | None = None) -> None:

@@ -121,10 +121,11 @@ def test_split_rounds_keeps_the_first_round_apart():
 
 
 def test_only_the_tier_servers_get_the_tier_overrides():
-    """--tier-set reaches kvtide-tier and vllm-offload only, after --set; unknown or repeated servers are refused."""
+    """--tier-set reaches the tier servers only, after --set (the blind one also turns tier-aware cost off); unknown or repeated servers are refused."""
     specs = {s.name: s for s in server_specs(list(kv_tier.SERVERS), ["a=1"], ["engine.kv_offload.size_gib=8"])}
     assert specs["kvtide-tier"].overrides == specs["vllm-offload"].overrides == ("a=1", "engine.kv_offload.size_gib=8")
     assert specs["kvtide"].overrides == ("a=1",)
+    assert specs["kvtide-tier-blind"].overrides == ("a=1", "engine.kv_offload.size_gib=8", "routing.cpu_tier_aware=false")
     assert specs["vllm-offload"].bare and not specs["kvtide-tier"].bare
     with pytest.raises(ValueError):
         server_specs(["kvtide", "kvtide"], [], [])

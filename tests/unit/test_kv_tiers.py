@@ -242,3 +242,17 @@ def test_cpu_tier_events_from_vllms_publisher_reach_the_router_and_win_it_the_re
                 "r2": {}}, now_s=0.0)
     decision = state.rank(HASHES, fleet.snapshots([("r2", 0), ("r1", 0)], now_s=0.0), random.Random(0), now_s=0.0)
     assert (decision.ranked[0], decision.cpu_matched_tokens, decision.outcome) == ("r1", 8 * BS, "cache_hit")
+
+
+def test_a_router_told_to_ignore_the_cpu_tier_ranks_on_gpu_blocks_alone():
+    """routing.cpu_tier_aware false: the CPU index is kept but not counted (the comparison the benchmark makes)."""
+    # a holds the prompt in its CPU tier and two other blocks on GPU; b is empty; equal load
+    digest = CacheDigest.from_hashes("a", 1, 1, [998, 999], cpu=CacheDigest.from_hashes("a", 1, 1, HASHES))
+    snaps = [ReplicaSnapshot("a", 0, cpu_block_weight=0.1), ReplicaSnapshot("b", 0, cpu_block_weight=0.1)]
+    picks = {}
+    for aware in (True, False):
+        state = RouterState(RoutingConfig(cpu_tier_aware=aware), BS)
+        state.apply_digest(digest)
+        assert state.cpu_index.num_held_by("a") == 8
+        picks[aware] = state.rank(HASHES, snaps, random.Random(0), now_s=0.0).ranked[0]
+    assert picks == {True: "a", False: "b"}  # blind: no hit seen, the new prefix goes to the emptiest engine
