@@ -284,27 +284,14 @@ class SimReplica:
     def land(self, result: StepResult, holders: dict[int, int] | None = None) -> None:
         """A step's cache changes, as the engine's KV events would tell the tracker; `holders` (block name →
         replicas holding it) kept with them where the autoscaler needs exclusive hits."""
-        for name in result.stored:
-            if name not in self.held:
-                self.held.add(name)
-                self.journal.stored(name)
-                if holders is not None:
-                    holders[name] = holders.get(name, 0) + 1
-        for name in result.removed:
-            if name in self.held:
-                self.held.discard(name)
-                self.journal.removed(name)
-                if holders is not None:
-                    _drop_holder(holders, name)
+        stored, removed = _journal_changes(self.held, self.journal, result.stored, result.removed)
+        if holders is not None:
+            for name in stored:
+                holders[name] = holders.get(name, 0) + 1
+            for name in removed:
+                _drop_holder(holders, name)
         if self.cpu_journal is not None:
-            for name in result.cpu_stored:
-                if name not in self.cpu_held:
-                    self.cpu_held.add(name)
-                    self.cpu_journal.stored(name)
-            for name in result.cpu_removed:
-                if name in self.cpu_held:
-                    self.cpu_held.discard(name)
-                    self.cpu_journal.removed(name)
+            _journal_changes(self.cpu_held, self.cpu_journal, result.cpu_stored, result.cpu_removed)
         self.prefill_tokens_since_report += result.prefill_tokens
         for request in result.finished:
             self.durations.observe(request.finished_s - request.arrival_s)
@@ -325,6 +312,24 @@ class SimReplica:
                 "kv_usage_perc": engine.kv_usage, "pending_prefill_tokens": engine.pending_prefill_tokens,
                 "prefill_tokens_per_s": rate, "onload_tokens_per_s": onload_tokens_per_s,
                 "request_durations_s": self.durations.quantiles(), "digest": digest}
+
+
+def _journal_changes(held: set[int], journal: DigestJournal, stored: Sequence[int],
+                     removed: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Apply a step's stored and removed block names to a block set and its journal (as KvCacheTracker does from
+    KV events); the names that really entered and left it."""
+    entered, left = [], []
+    for name in stored:
+        if name not in held:
+            held.add(name)
+            journal.stored(name)
+            entered.append(name)
+    for name in removed:
+        if name in held:
+            held.discard(name)
+            journal.removed(name)
+            left.append(name)
+    return entered, left
 
 
 def _drop_holder(holders: dict[int, int], name: int) -> None:

@@ -124,8 +124,8 @@ def prefix_cost(num_blocks: int, cached: Sequence[int], gpu_blocks: Sequence[int
         return [(num_blocks - c) * new_prefill for c in cached]
     # CPU-tier blocks past what counts as on GPU (the credit may cover some of them)
     loaded = [g + extra - c if g + extra > c else 0 for c, g, extra in zip(cached, gpu_blocks, cpu_blocks)]
-    return [(num_blocks - c - n) * new_prefill + n * block_size * snap.cpu_block_weight if n else
-            (num_blocks - c) * new_prefill for c, n, snap in zip(cached, loaded, snapshots)]
+    return [(num_blocks - c - n) * new_prefill + n * block_size * snap.cpu_block_weight
+            for c, n, snap in zip(cached, loaded, snapshots)]
 
 
 def queue_cost(loads: Sequence[int], pendings: Sequence[int], tunables: RoutingConfig) -> list[float]:
